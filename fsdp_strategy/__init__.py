@@ -1,0 +1,16 @@
+"""Train any LightningModule with FSDP2 by changing one flag: ``Trainer(strategy="fsdp2")``.
+
+Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_op"``,
+``"fsdp2_hybrid"`` and ``"fsdp2_offload"`` with Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from fsdp_strategy.policy import PolicyInput
+from fsdp_strategy.precision import SUPPORTED_PRECISIONS
+from fsdp_strategy.strategy import FSDP2Strategy
+
+__all__ = ["SUPPORTED_PRECISIONS", "FSDP2Strategy", "PolicyInput", "__version__"]
+__version__ = "0.1.0"
+
+FSDP2Strategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,3 @@
+from fsdp_strategy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""Small verbs that turn a plain module into a sharded one: plan units, checkpoint, compile, shard, materialize.
+
+Each takes only what it needs and works without Lightning; ``FSDP2Strategy.setup`` calls them in order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.utils.checkpoint import checkpoint
+
+from fsdp_strategy.policy import ModulePolicy, select_modules
+from fsdp_strategy.precision import FULL_PRECISION_POLICY, is_normalization
+
+__all__ = [
+    "STEP_METHODS",
+    "ShardedUnit",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_fully_shard",
+    "has_meta_tensors",
+    "materialize_meta_tensors",
+    "plan_units",
+]
+
+# The LightningModule is the FSDP root, but Lightning calls these instead of forward().
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+@dataclass(frozen=True)
+class ShardedUnit:
+    """One module that ``fully_shard`` turns into a unit: its parameters are gathered together."""
+
+    name: str
+    module: nn.Module
+    mp_policy: MixedPrecisionPolicy
+    num_params: int  # parameters this unit manages itself, not those of units nested in it
+
+
+def plan_units(
+    model: nn.Module, wrap_policy: ModulePolicy | None, *, mp_policy: MixedPrecisionPolicy, keep_norms_fp32: bool
+) -> list[ShardedUnit]:
+    """The units to shard inside ``model`` (the root is not included), children before parents.
+
+    Beyond the policy's blocks: normalization layers under mixed precision (kept in fp32), and
+    each remaining direct child that owns parameters, so a module used several times in one step
+    (a GAN's discriminator) gathers its freshly updated shards on every call. A module whose
+    parameters are shared with a module outside it (tied embeddings) is left to its parent, since
+    one parameter can belong to one unit only. Subtrees the user already sharded stay as they are.
+    """
+    named = list(model.named_modules())
+    user_sharded = [name for name, module in named[1:] if isinstance(module, FSDPModule)]
+    owners = _parameter_owners(model)
+
+    def eligible(name: str, module: nn.Module) -> bool:
+        inside_user_unit = any(name == u or name.startswith(u + ".") for u in user_sharded)
+        return not inside_user_unit and not _shares_parameters_outside(name, module, owners)
+
+    chosen: dict[str, MixedPrecisionPolicy] = {}
+    if wrap_policy is not None:
+        chosen.update((name, mp_policy) for name, module in select_modules(model, wrap_policy) if eligible(name, module))
+    if keep_norms_fp32:
+        chosen.update((name, FULL_PRECISION_POLICY) for name, module in named[1:] if is_normalization(module) and eligible(name, module))
+    if wrap_policy is not None:
+        covered = {id(p) for name in chosen for p in model.get_submodule(name).parameters()}
+        covered |= {id(p) for name in user_sharded for p in model.get_submodule(name).parameters()}
+        for name, child in model.named_children():
+            if name not in chosen and eligible(name, child) and any(id(p) not in covered for p in child.parameters()):
+                chosen[name] = mp_policy
+
+    units = []
+    for name, module in reversed(named[1:]):  # post-order: fully_shard must see inner units first
+        if name in chosen:
+            nested = [n for n in chosen if n.startswith(name + ".")]
+            nested_params = {id(p) for n in nested for p in model.get_submodule(n).parameters()}
+            num_params = sum(p.numel() for p in module.parameters() if id(p) not in nested_params)
+            units.append(ShardedUnit(name, module, chosen[name], num_params))
+    return units
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    units: Sequence[ShardedUnit],
+    mesh: DeviceMesh,
+    *,
+    root_mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    reshard_after_forward: bool | int,
+) -> None:
+    """Shards each unit, then ``model`` itself as the root, and routes its step methods through FSDP."""
+    for unit in units:
+        fully_shard(
+            unit.module,
+            mesh=mesh,
+            mp_policy=unit.mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+    # The root's parameters are needed again right after its "forward" (the whole *_step) ends,
+    # so resharding them in between would only add an all-gather.
+    fully_shard(model, mesh=mesh, mp_policy=root_mp_policy, offload_policy=offload_policy, reshard_after_forward=False)
+    for method in STEP_METHODS:
+        if hasattr(model, method) and _is_user_method(model, method):
+            register_fsdp_forward_method(model, method)
+
+
+def _is_user_method(model: nn.Module, method: str) -> bool:
+    from lightning.pytorch import LightningModule
+
+    return not isinstance(model, LightningModule) or is_overridden(method, model, parent=LightningModule)
+
+
+def apply_activation_checkpointing(modules: Sequence[tuple[str, nn.Module]]) -> None:
+    """Recomputes each module's forward in backward instead of storing its activations.
+
+    The module keeps its class and parameter names (no wrapper module), so state-dict keys and
+    checkpoints look the same with and without activation checkpointing.
+    """
+    for _, module in modules:
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def checkpointed_forward(*args, _forward=forward, **kwargs):  # type: ignore[no-untyped-def]
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        module.forward = checkpointed_forward  # type: ignore[method-assign]
+
+
+def apply_compile(modules: Sequence[tuple[str, nn.Module]]) -> None:
+    """Compiles each block on its own: repeated blocks share one compiled graph, and FSDP's
+    collectives stay at the block boundaries, outside the graphs."""
+    for _, module in modules:
+        module.compile()
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str]:
+    """Allocates meta tensors on ``device`` (each rank only its shards) and initializes them with
+    each module's ``reset_parameters()``. Returns the classes that have no such method."""
+    if not has_meta_tensors(model):
+        return []
+    model.to_empty(device=device)
+    uninitialized = set()
+    for module in model.modules():
+        if next(iter((*module.parameters(recurse=False), *module.buffers(recurse=False))), None) is None:
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+        else:
+            uninitialized.add(type(module).__name__)
+    return sorted(uninitialized)
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, list[str]]) -> bool:
+    prefix = name + "."
+    return any(not other.startswith(prefix) for p in module.parameters() for other in owners[id(p)])

@@ -1,0 +1,112 @@
+"""``Trainer(precision=...)`` translated into FSDP2 mixed-precision policies and precision plugins.
+
+``*-mixed`` keeps fp32 sharded master weights: FSDP2 all-gathers them in the low-precision dtype for
+compute and reduce-scatters gradients in fp32. Autocast stays on as under DDP, and normalization
+layers keep fp32 parameters (their own unit with :data:`FULL_PRECISION_POLICY`), because bf16
+gradients of norm weights are what makes plain bf16 compute drift from an fp32 run (about 3x the
+distance that DDP with autocast reaches).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+__all__ = [
+    "FULL_PRECISION_POLICY",
+    "SUPPORTED_PRECISIONS",
+    "is_normalization",
+    "mixed_precision_policy",
+    "precision_plugin_for",
+]
+
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+FULL_PRECISION_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+# Class names cover torch's norms and the many re-implementations (LlamaRMSNorm, T5LayerNorm, ...).
+_NORM_CLASS_NAME = re.compile(r"Norm")
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy for a ``*-mixed`` precision string; ``None`` for the ``*-true`` ones."""
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if low is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def is_normalization(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalization layer that owns parameters (kept in fp32 under ``*-mixed``)."""
+    return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and any(
+        True for _ in module.parameters(recurse=False)
+    )
+
+
+def precision_plugin_for(precision: str, device_type: str, *, meta_init: bool) -> Precision:
+    """The Lightning precision plugin that runs ``precision`` on sharded parameters.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`.
+    """
+    if precision in ("bf16-mixed", "16-mixed"):
+        return FSDP2MixedPrecision(precision, device_type, meta_init=meta_init)  # type: ignore[arg-type]
+    if precision in ("bf16-true", "16-true"):
+        return FSDP2HalfPrecision(precision, meta_init=meta_init)  # type: ignore[arg-type]
+    if precision == "32-true":
+        return FSDP2Precision(meta_init=meta_init)
+    raise ValueError(
+        f"`Trainer(precision={precision!r})` is not supported by the FSDP2 strategy. Choose one of:"
+        f" {', '.join(SUPPORTED_PRECISIONS)}."
+    )
+
+
+class _ModulesOnMeta:
+    """Builds the modules created in ``configure_model`` on the meta device.
+
+    The strategy materializes them after sharding, one shard per rank, so no rank ever holds the
+    whole model.
+    """
+
+    _meta_init: bool
+
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        with torch.device("meta") if self._meta_init else nullcontext(), super().module_init_context():  # type: ignore[misc]
+            yield
+
+
+class FSDP2Precision(_ModulesOnMeta, Precision):
+    """``"32-true"``."""
+
+    def __init__(self, *, meta_init: bool) -> None:
+        super().__init__()
+        self._meta_init = meta_init
+
+
+class FSDP2HalfPrecision(_ModulesOnMeta, HalfPrecision):
+    """``"bf16-true"`` / ``"16-true"``: parameters, gradients and optimizer state in the low dtype."""
+
+    def __init__(self, precision: str, *, meta_init: bool) -> None:
+        super().__init__(precision)  # type: ignore[arg-type]
+        self._meta_init = meta_init
+
+
+class FSDP2MixedPrecision(_ModulesOnMeta, MixedPrecision):
+    """``"bf16-mixed"`` / ``"16-mixed"``: autocast over fp32 master weights.
+
+    fp16 needs loss scaling; its "found inf" flag must agree across ranks, or ranks whose shard
+    overflowed would skip a step the others take. ``ShardedGradScaler`` all-reduces that flag.
+    """
+
+    def __init__(self, precision: str, device_type: str, *, meta_init: bool) -> None:
+        scaler = ShardedGradScaler(device=device_type) if precision == "16-mixed" else None
+        super().__init__(precision, device_type, scaler=scaler)  # type: ignore[arg-type]
+        self._meta_init = meta_init

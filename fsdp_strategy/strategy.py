@@ -1,0 +1,514 @@
+"""``FSDP2Strategy``: Lightning's hooks, each delegating to the small functions of this package."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from fsdp_strategy import checkpoint as ckpt
+from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
+from fsdp_strategy.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fully_shard,
+    has_meta_tensors,
+    materialize_meta_tensors,
+    plan_units,
+)
+from fsdp_strategy.policy import PolicyInput, normalize_policy, select_modules
+from fsdp_strategy.precision import (
+    SUPPORTED_PRECISIONS,
+    FSDP2HalfPrecision,
+    FSDP2MixedPrecision,
+    FSDP2Precision,
+    mixed_precision_policy,
+    precision_plugin_for,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["FSDP2Strategy"]
+
+_STATE_DICT_TYPES = ("sharded", "full")
+_OUR_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
+
+
+class FSDP2Strategy(ParallelStrategy):
+    """Fully Sharded Data Parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) for any LightningModule.
+
+    Each rank keeps about 1/N of the parameters, gradients and optimizer state, and gathers a unit's
+    full parameters only while it computes. The module needs no changes: repeated blocks are found
+    and sharded one by one, then the LightningModule itself becomes the root unit.
+
+    Args:
+        wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.policy`):
+            ``"auto"`` (repeated blocks), class names, module classes, a ``(name, module) -> bool``
+            callable, a minimum parameter count, or ``None`` for one unit holding everything.
+        activation_checkpointing_policy: modules whose activations are recomputed in backward, in the
+            same forms (``"auto"`` = the repeated blocks). ``None`` turns it off.
+        reshard_after_forward: ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
+            ``False`` keeps them until backward (ZeRO-2, more memory, fewer all-gathers); an int
+            reshards to that smaller group size (e.g. the number of processes per node).
+        hybrid: shard within a node and replicate across nodes (HSDP), a 2-D mesh.
+        replicate_size, shard_size: the mesh from plain integers; their product must be the world size.
+            Either implies the other; a ``replicate_size`` above 1 means hybrid sharding.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (CUDA only).
+        mp_policy: an explicit ``MixedPrecisionPolicy``; only with ``Trainer(precision="32-true")``.
+        sync_grads_each_micro_batch: reduce-scatter gradients on every micro-batch of gradient
+            accumulation. Costs communication but keeps gradients sharded; by default gradients are
+            accumulated unsharded and reduced once per optimizer step.
+        compile_blocks: ``torch.compile`` each block selected by ``wrap_policy``.
+        meta_init: build the modules created in ``configure_model`` on the meta device and
+            initialize them shard by shard with ``reset_parameters()``. Turn off when
+            ``configure_model`` loads weights.
+        state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory, every rank writes its
+            shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0).
+        process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
+        timeout: seconds (or a ``timedelta``) that collectives wait for a peer before failing.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(
+        self,
+        *,
+        wrap_policy: PolicyInput = "auto",
+        activation_checkpointing_policy: PolicyInput = None,
+        reshard_after_forward: bool | int = True,
+        hybrid: bool = False,
+        replicate_size: int | None = None,
+        shard_size: int | None = None,
+        cpu_offload: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        sync_grads_each_micro_batch: bool = False,
+        compile_blocks: bool = False,
+        meta_init: bool = True,
+        state_dict_type: str = "sharded",
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800,
+    ) -> None:
+        super().__init__()
+        self._wrap_policy = normalize_policy(wrap_policy, option="wrap_policy")
+        self._ac_policy = normalize_policy(activation_checkpointing_policy, option="activation_checkpointing_policy")
+        for option, value in (
+            ("hybrid", hybrid),
+            ("cpu_offload", cpu_offload),
+            ("sync_grads_each_micro_batch", sync_grads_each_micro_batch),
+            ("compile_blocks", compile_blocks),
+            ("meta_init", meta_init),
+        ):
+            _check_bool(option, value)
+        if not isinstance(reshard_after_forward, bool):
+            _check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
+        for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
+            if size is not None:
+                _check_positive_int(option, size, accepted="a positive int or None")
+        if cpu_offload and not torch.cuda.is_available():
+            raise ValueError(
+                "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
+                " GPU and host memory, and no CUDA device is available here. Use `cpu_offload=False`."
+            )
+        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got"
+                f" {type(mp_policy).__name__}."
+            )
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"`state_dict_type` must be one of {_STATE_DICT_TYPES}; got {state_dict_type!r}.")
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise TypeError(
+                f"`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got"
+                f" {type(process_group_backend).__name__}."
+            )
+        self._timeout = _as_timedelta(timeout)
+        self._reshard_after_forward = reshard_after_forward
+        self._hybrid = hybrid or (replicate_size or 1) > 1
+        self._replicate_size = replicate_size
+        self._shard_size = shard_size
+        self._offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        self._explicit_mp_policy = mp_policy
+        self._sync_grads_each_micro_batch = sync_grads_each_micro_batch
+        self._compile_blocks = compile_blocks
+        self._meta_init = meta_init
+        self._state_dict_type = state_dict_type
+        self._process_group_backend = process_group_backend
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        variants = {
+            "fsdp2": ("Fully sharded data parallel (FSDP2, ZeRO-3)", {}),
+            "fsdp2_grad_op": ("FSDP2 keeping parameters gathered between forward and backward", {"reshard_after_forward": False}),
+            "fsdp2_hybrid": ("FSDP2 sharding within a node and replicating across nodes", {"hybrid": True}),
+            "fsdp2_offload": ("FSDP2 with sharded state offloaded to host memory (CUDA)", {"cpu_offload": True}),
+        }
+        for name, (description, init_params) in variants.items():
+            registry.register(name, cls, description=description, override=True, **init_params)
+
+    # --- topology ---------------------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.device_mesh is available from `setup_environment()` on, e.g. in"
+                " `LightningModule.configure_model()`, not before the processes have started."
+            )
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects the DistributedSampler and syncs `self.log(sync_dist=True)` only when this is True.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank, across nodes too (the base class counts one node only).
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replicate_size, shard_size)`` for the current world; raises ``ValueError`` when they do not fit."""
+        return resolve_mesh_shape(
+            self.num_nodes * self.num_processes,
+            replicate_size=self._replicate_size,
+            shard_size=self._shard_size,
+            processes_per_node=self.num_processes if self._hybrid else None,
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self.mesh_shape()  # fail on a mesh that cannot fit before any process starts
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # --- precision --------------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = FSDP2Precision(meta_init=self._meta_init)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is None or isinstance(plugin, _OUR_PLUGINS):
+            self._precision_plugin = plugin
+            return
+        precision = getattr(plugin, "precision", None)
+        if type(plugin).__module__.split(".")[:3] != ["lightning", "pytorch", "plugins"] or precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"{type(self).__name__} does not support `Trainer(precision={precision!r})`"
+                f" ({type(plugin).__name__}). Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
+            )
+        if self._explicit_mp_policy is not None and precision != "32-true":
+            raise ValueError(
+                f"Conflicting precision settings: `mp_policy` was given to {type(self).__name__} and"
+                f" `Trainer(precision={precision!r})` too. Pass one of them: keep `mp_policy` with"
+                " precision='32-true', or drop `mp_policy`."
+            )
+        self._precision_plugin = precision_plugin_for(
+            precision, getattr(plugin, "device", self._device_type_guess()), meta_init=self._meta_init
+        )
+
+    def _device_type_guess(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The policy the units are sharded with: explicit, else derived from ``Trainer(precision=...)``."""
+        return (
+            self._explicit_mp_policy
+            or mixed_precision_policy(self.precision_plugin.precision)
+            or MixedPrecisionPolicy()
+        )
+
+    # --- model setup ------------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Meta tensors are materialized in setup(), after sharding, one shard per rank.
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not isinstance(self.model, FSDPModule):  # fit -> validate reuses the sharded model
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.parallelize(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
+        mp_policy = self.mp_policy()
+        keep_norms_fp32 = self._explicit_mp_policy is None and mixed_precision_policy(self.precision_plugin.precision) is not None
+        units = plan_units(model, self._wrap_policy, mp_policy=mp_policy, keep_norms_fp32=keep_norms_fp32)
+        if self._ac_policy is not None:
+            apply_activation_checkpointing(select_modules(model, self._ac_policy))
+        if self._compile_blocks and self._wrap_policy is not None:
+            apply_compile(select_modules(model, self._wrap_policy))
+        apply_fully_shard(
+            model,
+            units,
+            self.device_mesh,
+            root_mp_policy=mp_policy,
+            offload_policy=self._offload_policy,
+            reshard_after_forward=self._reshard_after_forward,
+        )
+        was_meta = has_meta_tensors(model)
+        uninitialized = materialize_meta_tensors(model, self._param_device())
+        if isinstance(self._offload_policy, CPUOffloadPolicy):
+            # Offloaded shards live on the host; buffers are used in compute and stay on the device.
+            for module in model.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    setattr(module, name, buffer.to(self.root_device))
+        else:
+            model.to(self.root_device)
+        if uninitialized:
+            rank_zero_warn(
+                "Parameter initialization incomplete: these modules were built on the meta device and have no"
+                f" `reset_parameters()` to initialize them: {', '.join(uninitialized)}."
+            )
+        self._log_plan(model, units, was_meta)
+
+    def _param_device(self) -> torch.device:
+        return torch.device("cpu") if isinstance(self._offload_policy, CPUOffloadPolicy) else self.root_device
+
+    def _log_plan(self, model: nn.Module, units: list, was_meta: bool) -> None:
+        total = sum(p.numel() for p in model.parameters())
+        root_params = total - sum(u.num_params for u in units)
+        largest = max([(u.num_params, u.name) for u in units] + [(root_params, "<root>")])
+        replicate, shard = self.mesh_shape()
+        rank_zero_info(
+            f"{type(self).__name__}: {len(units)} sharded units + root ({type(model).__name__}), {total:,} parameters"
+            f" on a {'(replicate, shard) = ' + str((replicate, shard)) if replicate > 1 else f'{shard}-way sharded'}"
+            f" mesh; largest unit: {largest[1]} ({largest[0]:,} parameters)"
+            + ("; materialized from the meta device" if was_meta else "")
+        )
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # Optimizers built before this setup reference parameters that sharding replaced.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if params and not any(isinstance(p, DTensor) for p in params):
+                raise ValueError(
+                    "The optimizer does not reference any sharded parameter. HINT: create it in"
+                    " `configure_optimizers()` from `self.parameters()`, which the strategy calls after sharding."
+                )
+
+    @override
+    def model_to_device(self) -> None:
+        # fully_shard already placed every sharded parameter; parallelize() moved the rest.
+        pass
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulates gradients locally on non-final micro-batches: one reduce-scatter per optimizer step."""
+        if self._sync_grads_each_micro_batch or not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    # --- collectives ------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.model_state(self.model, full=self._state_dict_type == "full")
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return ckpt.optimizer_state(self.model, optimizer, full=self._state_dict_type == "full")
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint() already restored the sharded model
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint() already restored the sharded optimizers
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`; got {storage_options!r}.")
+        path = Path(self.broadcast(str(filepath)))
+        if self._state_dict_type == "full":
+            if self.is_global_zero and ckpt.is_sharded_checkpoint(path):
+                shutil.rmtree(path)
+            super().save_checkpoint(checkpoint, path)
+            return
+        if self.is_global_zero and path.is_file():
+            path.unlink()
+        self.barrier()
+        ckpt.save_sharded(path, checkpoint, is_rank_zero=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        strict = self.lightning_module.strict_loading
+        if ckpt.is_sharded_checkpoint(path):
+            return ckpt.load_sharded(path, self.model, optimizers, strict=strict)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        ckpt.load_full(checkpoint, self.model, optimizers, strict=strict)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @override
+    def teardown(self) -> None:
+        # Sharded parameters stay where they are: moving them to CPU would gather nothing and cost a copy.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+def _check_bool(option: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
+
+
+def _check_positive_int(option: str, value: Any, *, accepted: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
+    if value <= 0:
+        raise ValueError(f"`{option}` must be {accepted}; got {value}.")
+
+
+def _as_timedelta(timeout: Any) -> timedelta:
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"`timeout` must be a number of seconds or a datetime.timedelta; got {timeout!r}.")
+    if seconds <= 0:
+        raise ValueError(f"`timeout` must be positive; got {seconds} seconds.")
+    return timedelta(seconds=seconds)
+

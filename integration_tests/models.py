@@ -1,0 +1,112 @@
+"""Tiny deterministic LightningModules shared by the integration runs (and the unit tests)."""
+
+from __future__ import annotations
+
+import torch
+from lightning import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, WIDTH, SEQ = 32, 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn_q = nn.Linear(width, width)
+        self.attn_k = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        scores = self.attn_q(h) @ self.attn_k(h).transpose(-1, -2) / h.shape[-1] ** 0.5
+        x = x + torch.softmax(scores, dim=-1) @ h
+        return x + self.mlp(x)
+
+
+class TinyLM(LightningModule):
+    """Embedding tied to the output head, a ModuleList of blocks, and a parameter owned by the module itself."""
+
+    def __init__(self, optimizer: str = "adamw", n_layer: int = 3, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.optimizer_name, self.lr = optimizer, lr
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_layer))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * self.scale
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self(tokens).flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+
+def token_dataset(samples: int = 64, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def token_loader(batch_size: int = 4, samples: int = 64) -> DataLoader:
+    return DataLoader(token_dataset(samples), batch_size=batch_size, shuffle=False)
+
+
+class TinyGAN(LightningModule):
+    """Manual optimization with two optimizers: the generator's loss goes through the discriminator
+    that was updated earlier in the same step, so stale discriminator weights would change the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+        self.discriminator = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        real = self.embed_batch(batch)
+        noise = torch.randn(real.shape, generator=torch.Generator().manual_seed(batch_idx))
+        fake = self.generator(noise)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        d_loss = bce(self.discriminator(real), torch.ones(len(real), 1)) + bce(
+            self.discriminator(fake.detach()), torch.zeros(len(real), 1)
+        )
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = bce(self.discriminator(fake), torch.ones(len(real), 1))
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss}, sync_dist=True)
+
+    @staticmethod
+    def embed_batch(batch: list[torch.Tensor]) -> torch.Tensor:
+        tokens, _ = batch
+        return torch.nn.functional.one_hot(tokens[:, 0] % WIDTH, WIDTH).float()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-2),
+        ]
