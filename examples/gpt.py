@@ -24,15 +24,22 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 
+# GPT-2 style initialization, N(0, 0.02) weights and zero biases, lives in ``reset_parameters()`` so that it is
+# also what a model created on the meta device gets. Embedding and Linear use the same rule, so the tied
+# embedding / output weight has the same distribution whichever of its two modules initializes it last.
+
+
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` with GPT-2 style N(0, 0.02) initialization.
-
-    PyTorch's default N(0, 1) is far too large for an embedding whose weight is also the output projection.
-    """
-
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
         self._fill_padding_idx_with_zero()
+
+
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -42,8 +49,8 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
         self.n_head = n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
+        self.qkv = Linear(n_embd, 3 * n_embd)
+        self.proj = Linear(n_embd, n_embd)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,9 +68,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, n_embd: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.fc = Linear(n_embd, 4 * n_embd)
         self.act = nn.GELU(approximate="tanh")
-        self.proj = nn.Linear(4 * n_embd, n_embd)
+        self.proj = Linear(4 * n_embd, n_embd)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +131,7 @@ class GPT(L.LightningModule):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head = Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

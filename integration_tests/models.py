@@ -15,7 +15,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.attn_q = nn.Linear(width, width)
-        self.attn_k = nn.Linear(width, width)
+        # No key bias: its gradient is exactly zero (softmax ignores a per-query constant), and AdamW
+        # turns the summation-order noise of such a gradient into visible updates, hiding real parity.
+        self.attn_k = nn.Linear(width, width, bias=False)
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,6 +39,10 @@ class TinyLM(LightningModule):
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def reset_parameters(self) -> None:
+        # Called for the module's own parameters when it is materialized from the meta device.
+        nn.init.ones_(self.scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) * self.scale

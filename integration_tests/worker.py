@@ -25,7 +25,7 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
-        if outputs is not None:
+        if isinstance(outputs, dict) and "loss" in outputs:
             self.losses.append(float(outputs["loss"]))
 
 
@@ -57,72 +57,101 @@ def padded_share_bytes(module: torch.nn.Module, optimizers: list, world_size: in
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="fsdp2")
-    parser.add_argument("--model", default="lm", choices=["lm", "gan"])
-    parser.add_argument("--devices", type=int, default=None, help="use Lightning's launcher with this many processes")
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--optimizer", default="adamw")
-    parser.add_argument("--max-steps", type=int, default=6)
-    parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--clip-val", type=float, default=None)
-    parser.add_argument("--clip-algorithm", default="norm")
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--empty-init", action="store_true")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+# Each variant is one training configuration; a launch runs several of them under each strategy
+# in the same process group, which saves the start-up cost of a launch per configuration.
+VARIANTS: dict[str, dict] = {
+    "adamw": {},
+    "adamw_clip_norm": {"clip_val": 0.5},
+    "adamw_clip_value_ac": {"clip_val": 0.05, "clip_algorithm": "value", "activation_checkpointing": True},
+    "sgd": {"optimizer": "sgd"},
+    "sgd_accumulate": {"optimizer": "sgd", "accumulate": 2},
+    "sgd_accumulate_clip_norm": {"optimizer": "sgd", "accumulate": 2, "clip_val": 0.5},
+    "sgd_bf16": {"optimizer": "sgd", "precision": "bf16-mixed"},
+    "gan": {"model": "gan"},
+    "empty_init": {"empty_init": True},
+}
 
+
+def make_strategy(name: str, variant: dict) -> str | L.pytorch.strategies.Strategy:
+    if name == "ddp" and variant.get("model") == "gan":
+        return "ddp_find_unused_parameters_true"  # the discriminator step leaves the generator unused
+    if name == "fsdp2_replicate2":
+        return fsdp_strategy.FSDP2Strategy(replicate_size=2, activation_checkpointing_policy=_ac(variant))
+    if name.startswith("fsdp2") and variant.get("activation_checkpointing"):
+        return fsdp_strategy.FSDP2Strategy(
+            activation_checkpointing_policy="auto", reshard_after_forward=name != "fsdp2_grad_op"
+        )
+    return name
+
+
+def _ac(variant: dict) -> str | None:
+    return "auto" if variant.get("activation_checkpointing") else None
+
+
+def train(strategy_name: str, variant: dict, devices: int, max_steps: int) -> dict:
     L.seed_everything(42)
-    if args.strategy.startswith("fsdp2") and args.activation_checkpointing:
-        strategy = fsdp_strategy.FSDP2Strategy(activation_checkpointing_policy="auto")
-    else:
-        strategy = args.strategy
-    devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    accumulate = variant.get("accumulate", 1)
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=strategy,
-        precision=args.precision,
-        max_steps=args.max_steps,
-        accumulate_grad_batches=args.accumulate,
-        gradient_clip_val=args.clip_val,
-        gradient_clip_algorithm=args.clip_algorithm if args.clip_val else None,
+        strategy=make_strategy(strategy_name, variant),
+        precision=variant.get("precision", "32-true"),
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=variant.get("clip_val"),
+        gradient_clip_algorithm=variant.get("clip_algorithm", "norm") if variant.get("clip_val") else None,
         limit_val_batches=2,
-        val_check_interval=args.max_steps * args.accumulate,
+        val_check_interval=max_steps * accumulate,
+        check_val_every_n_epoch=None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[recorder],
     )
-    with trainer.init_module(empty_init=args.empty_init):
-        model = TinyLM(optimizer=args.optimizer) if args.model == "lm" else TinyGAN()
+    with trainer.init_module(empty_init=variant.get("empty_init", False)):
+        model = TinyGAN() if variant.get("model") == "gan" else TinyLM(optimizer=variant.get("optimizer", "adamw"))
     trainer.fit(model, token_loader(), token_loader())
 
     optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
-    state_bytes = model_state_bytes(model, optimizers)
-    share = padded_share_bytes(model, optimizers, trainer.world_size)
-    per_rank = [None] * trainer.world_size
-    dist.all_gather_object(per_rank, (state_bytes, share))
-    if isinstance(model.head if args.model == "lm" else model.generator[0], DTensor) or any(
-        isinstance(p, DTensor) for p in model.parameters()
-    ):
+    per_rank: list = [None] * trainer.world_size
+    dist.all_gather_object(
+        per_rank,
+        (model_state_bytes(model, optimizers), padded_share_bytes(model, optimizers, trainer.world_size)),
+    )
+    if any(isinstance(p, DTensor) for p in model.parameters()):
         params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if trainer.is_global_zero:
-        torch.save(
-            {
-                "params": {k: v.float() for k, v in params.items()},
-                "losses": recorder.losses,
-                "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-                "state_bytes": per_rank,
-                "world_size": trainer.world_size,
-            },
-            args.out,
-        )
+    return {
+        "params": {k: v.float() for k, v in params.items()},
+        "losses": recorder.losses,
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "state_bytes": per_rank,
+        "world_size": trainer.world_size,
+        "is_global_zero": trainer.is_global_zero,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategies", default="fsdp2,ddp", help="comma-separated Trainer strategy names")
+    parser.add_argument("--variants", default="adamw", help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    parser.add_argument("--devices", type=int, default=None, help="use Lightning's launcher with this many processes")
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    results, is_global_zero = {}, False
+    for variant in args.variants.split(","):
+        for strategy in args.strategies.split(","):
+            result = train(strategy, VARIANTS[variant], devices, args.max_steps)
+            is_global_zero = result.pop("is_global_zero")
+            results[f"{strategy}/{variant}"] = result
+    if is_global_zero:
+        torch.save(results, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""Train a small byte-level GPT with FSDP2 through Lightning's own launcher.
+
+    python examples/train_gpt.py                    # FSDP2 + bf16-mixed, 2 CPU processes (or all GPUs)
+    python examples/train_gpt.py --strategy ddp     # the same job with DDP
+    python examples/train_gpt.py --strategy fsdp2_grad_op --precision 32-true --max-steps 300
+
+No ``torchrun`` needed: ``Trainer(devices=N)`` starts the other processes itself. At the end, rank 0 prints the
+final losses, the peak memory of each rank and the training throughput.
+"""
+
+import argparse
+import math
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+
+import fsdp_strategy  # noqa: F401  (registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
+from gpt import GPT, ByteTextDataModule
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--strategy", default="fsdp2", help="any registered strategy name: fsdp2, ddp, ...")
+    p.add_argument("--precision", default="bf16-mixed", help="bf16-mixed, 32-true, bf16-true, ...")
+    p.add_argument("--devices", type=int, default=None, help="processes (default: all GPUs, else 2 CPU processes)")
+    p.add_argument("--max-steps", type=int, default=80)
+    p.add_argument("--batch-size", type=int, default=8, help="per process")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--accumulate-grad-batches", type=int, default=1)
+    p.add_argument("--gradient-clip-val", type=float, default=1.0)
+    p.add_argument("--limit-val-batches", type=int, default=8)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "train_gpt"))
+    p.add_argument("--checkpoint", action="store_true", help="save a checkpoint at the end (off: faster)")
+    return p.parse_args()
+
+
+class RunSummary(Callback):
+    """Times training batches after a warm-up and, at the end, gathers every rank's numbers."""
+
+    def __init__(self, warmup_batches: int = 10) -> None:
+        self.warmup_batches = warmup_batches
+        self.batches = self.samples = 0
+        self.start = self.elapsed = None
+        self.val_time = 0.0  # validation inside the timed window is not training time
+        self.summary = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now, self.batches = time.perf_counter(), self.batches + 1
+        if self.batches == self.warmup_batches:
+            self.start, self.val_time = now, 0.0
+        elif self.batches > self.warmup_batches:
+            self.samples += batch[0].size(0)
+            self.elapsed = now - self.start - self.val_time
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.val_time += time.perf_counter() - self._val_start
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            peak_mib, what = torch.cuda.max_memory_allocated(device) / 2**20, "CUDA max allocated"
+        else:  # ru_maxrss is in KiB on Linux, bytes on macOS
+            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+            what = "peak RSS"
+        loss = float(trainer.callback_metrics.get("train_loss", math.nan))
+        mine = torch.tensor([self.samples, self.elapsed or math.nan, peak_mib, loss], dtype=torch.float64, device=device)
+        rows = [mine]
+        if torch.distributed.is_initialized():  # a collective: every rank takes part
+            rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(rows, mine)
+        rows = torch.stack(rows).cpu()
+        self.summary = dict(samples=rows[:, 0].sum().item(), seconds=rows[:, 1].max().item(),
+                            peak_mib=rows[:, 2].tolist(), memory_kind=what, train_loss=rows[:, 3].mean().item(),
+                            val_loss=float(trainer.callback_metrics.get("val_loss", math.nan)))
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    L.seed_everything(args.seed, workers=True)
+    on_gpu = torch.cuda.is_available()
+    devices = args.devices or (torch.cuda.device_count() if on_gpu else 2)
+    # CPU threads: Lightning's launcher already sets OMP_NUM_THREADS / torch.set_num_threads to
+    # (CPU cores // processes) unless OMP_NUM_THREADS is set, i.e. 1 thread per rank for 2 ranks on 2 cores.
+
+    model = GPT(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                learning_rate=args.learning_rate, weight_decay=0.1, warmup_steps=10, lr_schedule="cosine")
+    data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
+    summary = RunSummary()
+    train_batches = args.max_steps * args.accumulate_grad_batches
+    trainer = L.Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=devices,
+        strategy=args.strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate_grad_batches,
+        gradient_clip_val=args.gradient_clip_val or None,
+        val_check_interval=train_batches,  # validate once, after the last training batch
+        check_val_every_n_epoch=None,
+        limit_val_batches=args.limit_val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=10,
+        logger=CSVLogger(args.output_dir, name="train_gpt"),
+        enable_checkpointing=args.checkpoint,
+        default_root_dir=args.output_dir,
+        callbacks=[summary],
+    )
+    trainer.fit(model, datamodule=data)
+
+    if trainer.is_global_zero:
+        s, tokens_per_sample = summary.summary, args.block_size
+        print(f"\n== {args.strategy} | {args.precision} | {trainer.world_size} x {trainer.strategy.root_device.type}"
+              f" | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | {trainer.global_step} steps ==")
+        print(f"final train loss {s['train_loss']:.4f} (last step, mean over ranks) | val loss {s['val_loss']:.4f}")
+        print(f"{s['memory_kind']} per rank: " + ", ".join(f"rank {i}: {m:.0f} MiB" for i, m in enumerate(s["peak_mib"])))
+        rate = s["samples"] / s["seconds"]
+        print(f"throughput (all ranks, after {summary.warmup_batches} warm-up batches): {rate:.1f} samples/s,"
+              f" {rate * tokens_per_sample:,.0f} tokens/s")
+        print(f"time since start of main(): {time.perf_counter() - t0:.1f} s | logs: {trainer.logger.log_dir}")
+        if not on_gpu and "bf16" in args.precision and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            print("note: this CPU has no native bf16 support; bf16 matmuls are emulated, --precision 32-true is much faster here")
+
+
+if __name__ == "__main__":
+    main()

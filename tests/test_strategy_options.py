@@ -1,0 +1,324 @@
+"""``FSDP2Strategy`` options: validation messages, registered names, properties, and what a Trainer
+constructor (no fit, no process started) makes of them."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import fsdp_strategy
+from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.precision import FSDP2HalfPrecision, FSDP2MixedPrecision, FSDP2Precision
+from integration_tests.models import Block
+
+ACCEPTED_POLICIES = (
+    '"auto", a list of module class names (e.g. ["Block"]), a set of nn.Module classes, a callable'
+    " (name, module) -> bool, a positive int (minimum parameters per unit), or None"
+)
+SUPPORTED = "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true"
+OFFLOAD_NEEDS_CUDA = (
+    "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
+    " GPU and host memory, and no CUDA device is available here. Use `cpu_offload=False`."
+)
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+
+
+def cpu_trainer(**kwargs) -> L.Trainer:
+    """A Trainer that is only constructed: no fit, so no process or process group is started."""
+    kwargs.setdefault("accelerator", "cpu")
+    return L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+# --- constructor: bad values, exact messages --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"replicate_size": 0}, ValueError, "`replicate_size` must be a positive int or None; got 0."),
+        ({"replicate_size": -1}, ValueError, "`replicate_size` must be a positive int or None; got -1."),
+        ({"shard_size": 0}, ValueError, "`shard_size` must be a positive int or None; got 0."),
+        ({"shard_size": -4}, ValueError, "`shard_size` must be a positive int or None; got -4."),
+        (
+            {"shard_size": 2.0},
+            TypeError,
+            "`shard_size` must be a positive int or None; got 2.0 of type float.",
+        ),
+        (
+            {"replicate_size": True},
+            TypeError,
+            "`replicate_size` must be a positive int or None; got True of type bool.",
+        ),
+        (
+            {"reshard_after_forward": 0},
+            ValueError,
+            "`reshard_after_forward` must be a bool or a positive int; got 0.",
+        ),
+        (
+            {"reshard_after_forward": -2},
+            ValueError,
+            "`reshard_after_forward` must be a bool or a positive int; got -2.",
+        ),
+        (
+            {"reshard_after_forward": "yes"},
+            TypeError,
+            "`reshard_after_forward` must be a bool or a positive int; got 'yes' of type str.",
+        ),
+        ({"timeout": 0}, ValueError, "`timeout` must be positive; got 0.0 seconds."),
+        ({"timeout": -5}, ValueError, "`timeout` must be positive; got -5.0 seconds."),
+        ({"timeout": timedelta(0)}, ValueError, "`timeout` must be positive; got 0.0 seconds."),
+        (
+            {"timeout": "10"},
+            TypeError,
+            "`timeout` must be a number of seconds or a datetime.timedelta; got '10'.",
+        ),
+        (
+            {"timeout": True},
+            TypeError,
+            "`timeout` must be a number of seconds or a datetime.timedelta; got True.",
+        ),
+        ({"hybrid": "yes"}, TypeError, "`hybrid` must be a bool; got 'yes' of type str."),
+        ({"meta_init": 1}, TypeError, "`meta_init` must be a bool; got 1 of type int."),
+        ({"compile_blocks": None}, TypeError, "`compile_blocks` must be a bool; got None of type NoneType."),
+        (
+            {"sync_grads_each_micro_batch": "false"},
+            TypeError,
+            "`sync_grads_each_micro_batch` must be a bool; got 'false' of type str.",
+        ),
+        ({"cpu_offload": 0}, TypeError, "`cpu_offload` must be a bool; got 0 of type int."),
+        (
+            {"mp_policy": "bf16"},
+            TypeError,
+            "`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got str.",
+        ),
+        (
+            {"state_dict_type": "zip"},
+            ValueError,
+            "`state_dict_type` must be one of ('sharded', 'full'); got 'zip'.",
+        ),
+        (
+            {"process_group_backend": 5},
+            TypeError,
+            "`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got int.",
+        ),
+        ({"wrap_policy": 3.5}, TypeError, f"`wrap_policy` must be {ACCEPTED_POLICIES}; got 3.5 of type float."),
+        ({"wrap_policy": True}, TypeError, f"`wrap_policy` must be {ACCEPTED_POLICIES}; got the bool True."),
+        (
+            {"wrap_policy": 0},
+            ValueError,
+            "`wrap_policy` as a minimum parameter count must be a positive int; got 0.",
+        ),
+        (
+            {"wrap_policy": -5},
+            ValueError,
+            "`wrap_policy` as a minimum parameter count must be a positive int; got -5.",
+        ),
+        (
+            {"wrap_policy": [Block, 3]},
+            TypeError,
+            "`wrap_policy` entries must be class names (str) or nn.Module subclasses; got 3 of type int.",
+        ),
+        (
+            {"wrap_policy": []},
+            ValueError,
+            "`wrap_policy` must name at least one module class; got an empty list.",
+        ),
+        (
+            {"activation_checkpointing_policy": False},
+            TypeError,
+            f"`activation_checkpointing_policy` must be {ACCEPTED_POLICIES}; got the bool False.",
+        ),
+        (
+            {"activation_checkpointing_policy": ""},
+            ValueError,
+            f"`activation_checkpointing_policy` must be {ACCEPTED_POLICIES}; got the empty string.",
+        ),
+    ],
+)
+def test_invalid_option_is_rejected_with_its_exact_message(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        FSDP2Strategy(**kwargs)
+
+
+@needs_no_cuda
+def test_cpu_offload_without_cuda_is_rejected():
+    with pytest.raises(ValueError, match=re.escape(OFFLOAD_NEEDS_CUDA)):
+        FSDP2Strategy(cpu_offload=True)
+
+
+@needs_no_cuda
+def test_offload_strategy_name_without_cuda_is_rejected_at_trainer_construction():
+    with pytest.raises(ValueError, match=re.escape(OFFLOAD_NEEDS_CUDA)):
+        cpu_trainer(strategy="fsdp2_offload")
+
+
+# --- constructor: accepted values -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("timeout", "expected"),
+    [(10, timedelta(seconds=10)), (2.5, timedelta(seconds=2.5)), (timedelta(minutes=1), timedelta(seconds=60))],
+)
+def test_timeout_accepts_seconds_or_timedelta(timeout, expected):
+    assert FSDP2Strategy(timeout=timeout)._timeout == expected
+
+
+@pytest.mark.parametrize("value", [True, False, 8])
+def test_reshard_after_forward_accepts_bool_or_positive_int(value):
+    assert FSDP2Strategy(reshard_after_forward=value)._reshard_after_forward == value
+
+
+def test_process_group_backend_is_exposed():
+    assert FSDP2Strategy(process_group_backend="gloo").process_group_backend == "gloo"
+    assert FSDP2Strategy().process_group_backend is None
+
+
+# --- registry and properties ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "init_params"),
+    [
+        ("fsdp2", {}),
+        ("fsdp2_grad_op", {"reshard_after_forward": False}),
+        ("fsdp2_hybrid", {"hybrid": True}),
+        ("fsdp2_offload", {"cpu_offload": True}),
+    ],
+)
+def test_import_registers_strategy_names(name, init_params):
+    assert fsdp_strategy.FSDP2Strategy is FSDP2Strategy
+    entry = StrategyRegistry[name]
+    assert entry["strategy"] is FSDP2Strategy
+    assert entry["init_params"] == init_params
+    assert entry["description"]
+
+
+def test_grad_op_name_builds_a_strategy_that_keeps_parameters_gathered():
+    strategy = cpu_trainer(strategy="fsdp2_grad_op", devices=1).strategy
+    assert isinstance(strategy, FSDP2Strategy)
+    assert strategy._reshard_after_forward is False
+
+
+def test_hybrid_name_shards_within_a_node_and_replicates_across_nodes():
+    hybrid = cpu_trainer(strategy="fsdp2_hybrid", devices=2, num_nodes=2).strategy
+    full = cpu_trainer(strategy="fsdp2", devices=2, num_nodes=2).strategy
+    assert hybrid.mesh_shape() == (2, 2)
+    assert full.mesh_shape() == (1, 4)
+    assert not dist.is_initialized()
+
+
+def test_replicate_size_above_one_implies_hybrid_and_derives_the_shard_size():
+    strategy = cpu_trainer(strategy=FSDP2Strategy(replicate_size=2), devices=2, num_nodes=2).strategy
+    assert strategy.mesh_shape() == (2, 2)
+
+
+def test_distributed_sampler_counts_every_rank_on_every_node():
+    strategy = cpu_trainer(strategy="fsdp2", devices=2, num_nodes=3).strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 0}
+
+
+def test_strategy_is_always_distributed_and_restores_after_setup():
+    strategy = FSDP2Strategy()
+    assert strategy.is_distributed is True  # DistributedSampler and sync_dist even on one device
+    assert strategy.restore_checkpoint_after_setup is True
+    assert strategy.lightning_restore_optimizer is False
+
+
+def test_device_mesh_before_setup_explains_when_it_exists():
+    message = (
+        "FSDP2Strategy.device_mesh is available from `setup_environment()` on, e.g. in"
+        " `LightningModule.configure_model()`, not before the processes have started."
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        FSDP2Strategy().device_mesh
+
+
+def test_save_checkpoint_rejects_storage_options():
+    message = "FSDP2Strategy.save_checkpoint does not take `storage_options`; got {'bucket': 'x'}."
+    with pytest.raises(TypeError, match=re.escape(message)):
+        FSDP2Strategy().save_checkpoint({}, "unused.ckpt", storage_options={"bucket": "x"})
+
+
+# --- precision through the Trainer ------------------------------------------------------------------
+
+
+def test_default_precision_plugin_is_full_precision():
+    strategy = FSDP2Strategy()
+    assert type(strategy.precision_plugin) is FSDP2Precision
+    assert strategy.mp_policy() == MixedPrecisionPolicy()
+
+
+@pytest.mark.parametrize(
+    ("precision", "plugin_type", "param_dtype"),
+    [
+        ("32-true", FSDP2Precision, None),
+        ("bf16-mixed", FSDP2MixedPrecision, torch.bfloat16),
+        ("bf16-true", FSDP2HalfPrecision, None),
+    ],
+)
+def test_trainer_precision_becomes_the_strategy_plugin_and_policy(precision, plugin_type, param_dtype):
+    trainer = cpu_trainer(strategy="fsdp2", devices=1, precision=precision)
+    assert type(trainer.strategy.precision_plugin) is plugin_type
+    assert trainer.precision_plugin is trainer.strategy.precision_plugin
+    assert trainer.strategy.mp_policy().param_dtype == param_dtype
+
+
+def test_unsupported_trainer_precision_is_rejected_at_trainer_construction():
+    message = f"FSDP2Strategy does not support `Trainer(precision='64-true')` (DoublePrecision). Choose one of: {SUPPORTED}."
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy="fsdp2", precision="64-true")
+
+
+def test_custom_precision_plugin_is_rejected_and_named():
+    class MyPrecision(Precision):
+        precision = "32-true"
+
+    with pytest.raises(ValueError, match=re.escape("(MyPrecision). Choose one of:")):
+        cpu_trainer(strategy="fsdp2", plugins=[MyPrecision()])
+
+
+def test_explicit_mp_policy_with_mixed_precision_is_a_conflict():
+    message = (
+        "Conflicting precision settings: `mp_policy` was given to FSDP2Strategy and"
+        " `Trainer(precision='bf16-mixed')` too. Pass one of them: keep `mp_policy` with"
+        " precision='32-true', or drop `mp_policy`."
+    )
+    strategy = FSDP2Strategy(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy=strategy, precision="bf16-mixed")
+
+
+def test_explicit_mp_policy_with_32_true_is_used_as_given():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    trainer = cpu_trainer(strategy=FSDP2Strategy(mp_policy=policy), precision="32-true")
+    assert trainer.strategy.mp_policy() is policy
+
+
+# --- the mesh is checked before any process starts --------------------------------------------------
+
+
+def test_mesh_that_does_not_fit_the_world_fails_at_trainer_construction():
+    message = (
+        "The device mesh does not fit the world: replicate_size=3 x shard_size=0 must equal the world size 2"
+        " (num_nodes x devices). Choose sizes whose product is 2, or leave one of them unset."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy=FSDP2Strategy(replicate_size=3), devices=2)
+    assert not dist.is_initialized()
+
+
+def test_shard_size_that_does_not_fit_fails_at_trainer_construction():
+    message = (
+        "The device mesh does not fit the world: replicate_size=1 x shard_size=4 must equal the world size 2"
+        " (num_nodes x devices). Choose sizes whose product is 2, or leave one of them unset."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy=FSDP2Strategy(replicate_size=1, shard_size=4), devices=2)
