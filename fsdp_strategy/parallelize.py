@@ -157,8 +157,12 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str
         return []
     model.to_empty(device=device)
     uninitialized = set()
+    initialized: set[int] = set()
     for module in model.modules():
-        if next(iter((*module.parameters(recurse=False), *module.buffers(recurse=False))), None) is None:
+        tensors = {id(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))}
+        # A tied weight keeps the values of its first owner (an embedding shared with the output
+        # layer keeps the embedding's init), as it does when the model is built eagerly.
+        if not tensors or tensors <= initialized:
             continue
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
@@ -166,6 +170,7 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str
                 reset()
         else:
             uninitialized.add(type(module).__name__)
+        initialized |= tensors
     return sorted(uninitialized)
 
 

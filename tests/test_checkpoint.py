@@ -1,0 +1,137 @@
+"""Checkpoint helpers on a real 1-rank group: sharded (DCP) round trip and loading a full Lightning checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+
+from fsdp_strategy import checkpoint as ckpt
+from fsdp_strategy.parallelize import apply_fully_shard, plan_units
+from fsdp_strategy.policy import normalize_policy
+from integration_tests.models import TinyLM, token_loader
+
+
+def sharded_tinylm(mesh, seed: int) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    units = plan_units(model, normalize_policy("auto", option="wrap_policy"), mp_policy=MixedPrecisionPolicy(), keep_norms_fp32=False)
+    apply_fully_shard(
+        model, units, mesh, root_mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), reshard_after_forward=True
+    )
+    return model
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_step(model: TinyLM, optimizer: torch.optim.Optimizer, batch_idx: int = 0) -> None:
+    batch = list(token_loader(batch_size=4, samples=8))[batch_idx]
+    optimizer.zero_grad()
+    model.loss(batch).backward()
+    optimizer.step()
+
+
+def full(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: full(p).detach().clone() for name, p in model.named_parameters()}
+
+
+def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    return {
+        name: {key: full(value).clone() for key, value in optimizer.state[param].items()}
+        for name, param in model.named_parameters()
+    }
+
+
+def assert_states_equal(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        if isinstance(expected[name], dict):
+            assert_states_equal(actual[name], expected[name])
+        else:
+            assert torch.equal(actual[name], expected[name]), name
+
+
+def test_sharded_round_trip_is_bit_exact_for_model_and_optimizer(mesh, tmp_path):
+    model = sharded_tinylm(mesh, seed=0)
+    optimizer = adamw(model)
+    train_step(model, optimizer)
+    saved_params = full_params(model)
+    saved_optimizer = optimizer_state_by_name(model, optimizer)
+
+    path = tmp_path / "step=1"
+    checkpoint = {
+        "state_dict": ckpt.model_state(model, full=False),
+        "optimizer_states": [ckpt.optimizer_state(model, optimizer, full=False)],
+        "global_step": 1,
+        "epoch": 0,
+    }
+    assert all(isinstance(t, DTensor) for t in checkpoint["state_dict"].values())
+    ckpt.save_sharded(path, checkpoint, is_rank_zero=True)
+    assert (path / ckpt.METADATA_FILENAME).is_file()
+    assert (path / ".metadata").is_file()  # DCP's own index
+    assert ckpt.is_sharded_checkpoint(path)
+
+    restored = sharded_tinylm(mesh, seed=1)
+    restored_optimizer = adamw(restored)
+    assert not torch.equal(full(restored.blocks[0].attn_q.weight), saved_params["blocks.0.attn_q.weight"])
+    trainer_state = ckpt.load_sharded(path, restored, [restored_optimizer], strict=True)
+
+    assert trainer_state == {"global_step": 1, "epoch": 0}
+    assert_states_equal(full_params(restored), saved_params)
+    assert_states_equal(optimizer_state_by_name(restored, restored_optimizer), saved_optimizer)
+    assert restored.head.weight is restored.embed.weight
+
+    # The restored pair continues exactly like the original.
+    train_step(model, optimizer, batch_idx=1)
+    train_step(restored, restored_optimizer, batch_idx=1)
+    assert_states_equal(full_params(restored), full_params(model))
+
+
+def test_a_file_or_a_plain_directory_is_not_a_sharded_checkpoint(tmp_path):
+    plain_file = tmp_path / "model.ckpt"
+    plain_file.write_bytes(b"")
+    assert not ckpt.is_sharded_checkpoint(plain_file)
+    assert not ckpt.is_sharded_checkpoint(tmp_path)
+    assert not ckpt.is_sharded_checkpoint(tmp_path / "missing")
+
+
+def test_load_full_from_a_plain_lightning_checkpoint_with_index_keyed_optimizer_state(mesh):
+    torch.manual_seed(0)
+    plain = TinyLM()
+    plain_optimizer = adamw(plain)
+    train_step(plain, plain_optimizer)
+    checkpoint = {  # what DDP / a single device writes: full tensors, optimizer state keyed 0..N-1
+        "state_dict": {name: t.clone() for name, t in plain.state_dict().items()},
+        "optimizer_states": [plain_optimizer.state_dict()],
+        "global_step": 1,
+    }
+    assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(list(plain.parameters()))))
+
+    model = sharded_tinylm(mesh, seed=1)
+    optimizer = adamw(model)
+    ckpt.load_full(checkpoint, model, [optimizer], strict=True)
+
+    assert_states_equal(full_params(model), {name: p.detach() for name, p in plain.named_parameters()})
+    assert_states_equal(optimizer_state_by_name(model, optimizer), optimizer_state_by_name(plain, plain_optimizer))
+
+    # The full forms read back as Lightning writes them: plain CPU tensors, index-keyed optimizer state.
+    model_full = ckpt.model_state(model, full=True)
+    assert model_full.keys() == plain.state_dict().keys()
+    assert not any(isinstance(t, DTensor) for t in model_full.values())
+    assert_states_equal(model_full, plain.state_dict())
+    optimizer_full = ckpt.optimizer_state(model, optimizer, full=True)
+    expected = plain_optimizer.state_dict()
+    assert_states_equal(optimizer_full["state"], expected["state"])
+    assert [g["params"] for g in optimizer_full["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert optimizer_full["param_groups"][0]["lr"] == expected["param_groups"][0]["lr"]
+
+    train_step(plain, plain_optimizer, batch_idx=1)
+    train_step(model, optimizer, batch_idx=1)
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(full(dict(model.named_parameters())[name]), param, msg=name)
