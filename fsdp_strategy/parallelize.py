@@ -139,11 +139,11 @@ def apply_activation_checkpointing(modules: Sequence[tuple[str, nn.Module]]) -> 
         module.forward = checkpointed_forward  # type: ignore[method-assign]
 
 
-def apply_compile(modules: Sequence[tuple[str, nn.Module]]) -> None:
+def apply_compile(modules: Sequence[tuple[str, nn.Module]], *, backend: str = "inductor") -> None:
     """Compiles each block on its own: repeated blocks share one compiled graph, and FSDP's
     collectives stay at the block boundaries, outside the graphs."""
     for _, module in modules:
-        module.compile()
+        module.compile(backend=backend)
 
 
 def has_meta_tensors(model: nn.Module) -> bool:

@@ -85,7 +85,8 @@ class FSDP2Strategy(ParallelStrategy):
         sync_grads_each_micro_batch: reduce-scatter gradients on every micro-batch of gradient
             accumulation. Costs communication but keeps gradients sharded; by default gradients are
             accumulated unsharded and reduced once per optimizer step.
-        compile_blocks: ``torch.compile`` each block selected by ``wrap_policy``.
+        compile_blocks: ``torch.compile`` each block selected by ``wrap_policy``; ``True`` uses the
+            default backend (inductor), a str names another ``torch.compile`` backend.
         meta_init: build the modules created in ``configure_model`` on the meta device and
             initialize them shard by shard with ``reset_parameters()``. Turn off when
             ``configure_model`` loads weights.
@@ -109,7 +110,7 @@ class FSDP2Strategy(ParallelStrategy):
         cpu_offload: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         sync_grads_each_micro_batch: bool = False,
-        compile_blocks: bool = False,
+        compile_blocks: bool | str = False,
         meta_init: bool = True,
         state_dict_type: str = "sharded",
         process_group_backend: str | None = None,
@@ -122,10 +123,13 @@ class FSDP2Strategy(ParallelStrategy):
             ("hybrid", hybrid),
             ("cpu_offload", cpu_offload),
             ("sync_grads_each_micro_batch", sync_grads_each_micro_batch),
-            ("compile_blocks", compile_blocks),
             ("meta_init", meta_init),
         ):
             _check_bool(option, value)
+        if not isinstance(compile_blocks, (bool, str)) or compile_blocks == "":
+            raise TypeError(
+                f"`compile_blocks` must be a bool or the name of a torch.compile backend; got {compile_blocks!r}."
+            )
         if not isinstance(reshard_after_forward, bool):
             _check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
         for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
@@ -326,7 +330,8 @@ class FSDP2Strategy(ParallelStrategy):
         if self._ac_policy is not None:
             apply_activation_checkpointing(select_modules(model, self._ac_policy))
         if self._compile_blocks and self._wrap_policy is not None:
-            apply_compile(select_modules(model, self._wrap_policy))
+            backend = "inductor" if self._compile_blocks is True else self._compile_blocks
+            apply_compile(select_modules(model, self._wrap_policy), backend=backend)
         apply_fully_shard(
             model,
             units,

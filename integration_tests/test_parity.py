@@ -33,10 +33,8 @@ def test_fp32_parity_with_ddp(run_worker, nproc: int) -> None:
         assert_state_is_sharded(sharded)
 
 
-def test_variants_manual_optimization_bf16_and_grad_op(run_worker) -> None:
-    results = run_worker(
-        ["--strategies", "fsdp2,fsdp2_grad_op,ddp", "--variants", "gan,sgd,sgd_bf16"], nproc=2
-    )
+def test_manual_optimization_bf16_and_grad_op(run_worker) -> None:
+    results = run_worker(["--strategies", "fsdp2,fsdp2_grad_op,ddp", "--variants", "gan,sgd,sgd_bf16"], nproc=2)
     # GAN pattern: the generator loss goes through the discriminator updated earlier in the same step.
     for strategy in ("fsdp2", "fsdp2_grad_op"):
         assert max_relative_difference(results[f"{strategy}/gan"]["params"], results["ddp/gan"]["params"]) <= 1e-5
@@ -47,6 +45,11 @@ def test_variants_manual_optimization_bf16_and_grad_op(run_worker) -> None:
     ddp_distance = max_relative_difference(results["ddp/sgd_bf16"]["params"], fp32)
     sharded_distance = max_relative_difference(results["fsdp2/sgd_bf16"]["params"], fp32)
     assert 0 < sharded_distance <= 2 * ddp_distance, (sharded_distance, ddp_distance)
+
+
+def test_compiled_blocks_parity(run_worker) -> None:
+    results = run_worker(["--strategies", "fsdp2_compiled,ddp", "--variants", "sgd"], nproc=2)
+    assert max_relative_difference(results["fsdp2_compiled/sgd"]["params"], results["ddp/sgd"]["params"]) <= 1e-5
 
 
 def test_hybrid_mesh_parity_on_four_ranks(run_worker) -> None:

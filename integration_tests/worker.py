@@ -75,6 +75,8 @@ VARIANTS: dict[str, dict] = {
 def make_strategy(name: str, variant: dict) -> str | L.pytorch.strategies.Strategy:
     if name == "ddp" and variant.get("model") == "gan":
         return "ddp_find_unused_parameters_true"  # the discriminator step leaves the generator unused
+    if name == "fsdp2_compiled":
+        return fsdp_strategy.FSDP2Strategy(compile_blocks="aot_eager")
     if name == "fsdp2_replicate2":
         return fsdp_strategy.FSDP2Strategy(replicate_size=2, activation_checkpointing_policy=_ac(variant))
     if name.startswith("fsdp2") and variant.get("activation_checkpointing"):
