@@ -20,14 +20,23 @@ def resolve_mesh_shape(
     sharded), unless ``processes_per_node`` is given: then hybrid sharding shards within a node
     and replicates across nodes.
     """
+    for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size), ("processes_per_node", processes_per_node)):
+        if size is not None and size <= 0:
+            raise ValueError(f"`{option}` must be a positive int; got {size}.")
+    shard_label = "shard_size"
     if replicate_size is None and shard_size is None:
         if processes_per_node is None:
             return 1, world_size
-        shard_size = processes_per_node
-    if replicate_size is None:
-        replicate_size = world_size // shard_size if world_size % shard_size == 0 else 0
-    if shard_size is None:
-        shard_size = world_size // replicate_size if world_size % replicate_size == 0 else 0
+        shard_size, shard_label = processes_per_node, "hybrid sharding's shard size (devices per node)"
+    given = [(label, size) for label, size in (("replicate_size", replicate_size), (shard_label, shard_size)) if size]
+    for label, size in given if len(given) == 1 else ():
+        if world_size % size:
+            raise ValueError(
+                f"The device mesh does not fit the world: {label}={size} does not divide the world size"
+                f" {world_size} (num_nodes x devices). Choose a divisor of {world_size}, or leave it unset."
+            )
+    replicate_size = replicate_size or world_size // shard_size
+    shard_size = shard_size or world_size // replicate_size
     if replicate_size * shard_size != world_size:
         raise ValueError(
             f"The device mesh does not fit the world: replicate_size={replicate_size} x shard_size={shard_size}"

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_strategy.policy import ModulePolicy, select_modules
+from fsdp_strategy.policy import ModulePolicy, class_name, select_modules
 from fsdp_strategy.precision import FULL_PRECISION_POLICY, is_normalization
 
 __all__ = [
@@ -169,7 +169,7 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str
             with torch.no_grad():
                 reset()
         else:
-            uninitialized.add(type(module).__name__)
+            uninitialized.add(class_name(module))
         initialized |= tensors
     return sorted(uninitialized)
 

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["ModulePolicy", "PolicyInput", "normalize_policy", "select_modules"]
+__all__ = ["ModulePolicy", "PolicyInput", "class_name", "normalize_policy", "select_modules"]
 
 PolicyInput = str | int | Iterable[str | type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 
@@ -65,8 +66,10 @@ def normalize_policy(value: PolicyInput, *, option: str) -> ModulePolicy | None:
         if value <= 0:
             raise ValueError(f"`{option}` as a minimum parameter count must be a positive int; got {value}.")
         return ModulePolicy(option=option, min_params=value)
-    if isinstance(value, type) and issubclass(value, nn.Module):
-        return ModulePolicy(option=option, classes=(value,))
+    if isinstance(value, type):
+        if issubclass(value, nn.Module):
+            return ModulePolicy(option=option, classes=(value,))
+        raise TypeError(f"`{option}` must be {_ACCEPTED}; got the class {value.__name__}, which is not an nn.Module.")
     if callable(value):
         return ModulePolicy(option=option, predicate=value)
     if isinstance(value, Iterable):
@@ -95,7 +98,7 @@ def select_modules(model: nn.Module, policy: ModulePolicy) -> list[tuple[str, nn
     if policy.auto:
         return _post_order(_auto_blocks(model, named))
     if policy.class_names:
-        present = {type(module).__name__ for _, module in named}
+        present = {class_name(module) for _, module in named}
         missing = sorted(policy.class_names - present)
         if missing:
             raise ValueError(
@@ -110,11 +113,11 @@ def select_modules(model: nn.Module, policy: ModulePolicy) -> list[tuple[str, nn
         selected = [
             (name, module)
             for name, module in named
-            if type(module).__name__ in policy.class_names or isinstance(module, policy.classes)
+            if class_name(module) in policy.class_names or isinstance(module, policy.classes)
         ]
         selected = _post_order(selected)
     if not selected:
-        raise ValueError(f"`{policy.option}={policy.describe()}` matches no submodule of {type(model).__name__}.")
+        raise ValueError(f"`{policy.option}={policy.describe()}` matches no submodule of {class_name(model)}.")
     return selected
 
 
@@ -126,8 +129,9 @@ def _post_order(selected: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
 
 def _auto_blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     no_split = {name for _, module in [("", model), *named] for name in getattr(module, "_no_split_modules", None) or ()}
-    if no_split:
-        return [(name, module) for name, module in named if type(module).__name__ in no_split]
+    blocks = [(name, module) for name, module in named if class_name(module) in no_split]
+    if blocks:
+        return blocks
     candidates = []
     for prefix, container in [("", model), *named]:
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
@@ -156,6 +160,14 @@ def _by_size(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
 
     unassigned("", model)
     return selected
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's own class name, also after ``fully_shard`` swapped in its ``FSDP<Name>`` subclass."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls.__name__
 
 
 def _has_parameters(module: nn.Module) -> bool:

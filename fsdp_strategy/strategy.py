@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
@@ -42,7 +43,7 @@ from fsdp_strategy.parallelize import (
     materialize_meta_tensors,
     plan_units,
 )
-from fsdp_strategy.policy import PolicyInput, normalize_policy, select_modules
+from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy, select_modules
 from fsdp_strategy.precision import (
     SUPPORTED_PRECISIONS,
     FSDP2HalfPrecision,
@@ -126,10 +127,13 @@ class FSDP2Strategy(ParallelStrategy):
             ("meta_init", meta_init),
         ):
             _check_bool(option, value)
-        if not isinstance(compile_blocks, (bool, str)) or compile_blocks == "":
+        if not isinstance(compile_blocks, (bool, str)):
             raise TypeError(
-                f"`compile_blocks` must be a bool or the name of a torch.compile backend; got {compile_blocks!r}."
+                f"`compile_blocks` must be a bool or the name of a torch.compile backend; got {compile_blocks!r}"
+                f" of type {type(compile_blocks).__name__}."
             )
+        if compile_blocks == "":
+            raise ValueError("`compile_blocks` must be a bool or the name of a torch.compile backend; got ''.")
         if not isinstance(reshard_after_forward, bool):
             _check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
         for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
@@ -142,15 +146,15 @@ class FSDP2Strategy(ParallelStrategy):
             )
         if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(
-                f"`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got"
-                f" {type(mp_policy).__name__}."
+                f"`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got {mp_policy!r}"
+                f" of type {type(mp_policy).__name__}."
             )
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"`state_dict_type` must be one of {_STATE_DICT_TYPES}; got {state_dict_type!r}.")
         if process_group_backend is not None and not isinstance(process_group_backend, str):
             raise TypeError(
                 f"`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got"
-                f" {type(process_group_backend).__name__}."
+                f" {process_group_backend!r} of type {type(process_group_backend).__name__}."
             )
         self._timeout = _as_timedelta(timeout)
         self._reshard_after_forward = reshard_after_forward
@@ -274,7 +278,13 @@ class FSDP2Strategy(ParallelStrategy):
             self._precision_plugin = plugin
             return
         precision = getattr(plugin, "precision", None)
-        if type(plugin).__module__.split(".")[:3] != ["lightning", "pytorch", "plugins"] or precision not in SUPPORTED_PRECISIONS:
+        if type(plugin).__module__.split(".")[:3] != ["lightning", "pytorch", "plugins"]:
+            raise TypeError(
+                f"{type(self).__name__} does not take custom precision plugins; got {type(plugin).__name__}."
+                f" Use `Trainer(precision=...)` with one of: {', '.join(SUPPORTED_PRECISIONS)}, or pass"
+                " `mp_policy=` to the strategy."
+            )
+        if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(
                 f"{type(self).__name__} does not support `Trainer(precision={precision!r})`"
                 f" ({type(plugin).__name__}). Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
@@ -365,7 +375,7 @@ class FSDP2Strategy(ParallelStrategy):
         largest = max([(u.num_params, u.name) for u in units] + [(root_params, "<root>")])
         replicate, shard = self.mesh_shape()
         rank_zero_info(
-            f"{type(self).__name__}: {len(units)} sharded units + root ({type(model).__name__}), {total:,} parameters"
+            f"{type(self).__name__}: {len(units)} sharded units + root ({class_name(model)}), {total:,} parameters"
             f" on a {'(replicate, shard) = ' + str((replicate, shard)) if replicate > 1 else f'{shard}-way sharded'}"
             f" mesh; largest unit: {largest[1]} ({largest[0]:,} parameters)"
             + ("; materialized from the meta device" if was_meta else "")
@@ -512,8 +522,11 @@ def _as_timedelta(timeout: Any) -> timedelta:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise TypeError(f"`timeout` must be a number of seconds or a datetime.timedelta; got {timeout!r}.")
-    if seconds <= 0:
-        raise ValueError(f"`timeout` must be positive; got {seconds} seconds.")
+        raise TypeError(
+            f"`timeout` must be a number of seconds or a datetime.timedelta; got {timeout!r} of type"
+            f" {type(timeout).__name__}."
+        )
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"`timeout` must be a positive, finite number of seconds; got {seconds}.")
     return timedelta(seconds=seconds)
 

@@ -74,24 +74,42 @@ def mesh(single_rank_group: dist.ProcessGroup):
     return build_device_mesh("cpu", 1, 1)
 
 
-@pytest.fixture
-def trainer_env() -> Iterator[None]:
-    """For an in-process ``Trainer(devices=1)`` with the strategy.
+class TrainerEnv:
+    """Handle given to tests by the ``trainer_env`` fixture."""
 
-    Lightning initializes the default group itself from MASTER_ADDR/MASTER_PORT; each test gets its
-    own free port, and the group plus every launcher variable are removed afterwards.
-    """
-    _refuse_existing_group()
-    saved = dict(os.environ)
-    for name in _LAUNCHER_VARIABLES:
-        os.environ.pop(name, None)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
+    def __init__(self) -> None:
+        self._saved = dict(os.environ)
+        self.fresh()
+
+    def fresh(self) -> None:
+        """Destroys the group of a previous in-process Trainer and gives the next one a new port."""
         _destroy_group_if_any()
         os.environ.clear()
-        os.environ.update(saved)
+        os.environ.update(self._saved)
+        for name in _LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+
+    def restore(self) -> None:
+        _destroy_group_if_any()
+        os.environ.clear()
+        os.environ.update(self._saved)
+
+
+@pytest.fixture
+def trainer_env() -> Iterator[TrainerEnv]:
+    """For an in-process ``Trainer(devices=1)`` with the strategy.
+
+    Lightning initializes the default group itself from MASTER_ADDR/MASTER_PORT; each Trainer gets
+    its own free port (call ``trainer_env.fresh()`` between two Trainers in one test), and the group
+    plus every launcher variable are removed afterwards, also when the Trainer failed.
+    """
+    _refuse_existing_group()
+    threads = torch.get_num_threads()
+    env = TrainerEnv()
+    try:
+        yield env
+    finally:
+        env.restore()
         torch.set_num_threads(threads)

@@ -43,20 +43,33 @@ def test_sizes_whose_product_is_not_the_world_size_are_rejected():
         resolve_mesh_shape(8, replicate_size=2, shard_size=3)
 
 
+def divisor_error(label: str, size: int, world: int) -> str:
+    return (
+        f"The device mesh does not fit the world: {label}={size} does not divide the world size"
+        f" {world} (num_nodes x devices). Choose a divisor of {world}, or leave it unset."
+    )
+
+
 def test_replicate_size_that_does_not_divide_the_world_is_rejected():
-    # The message reports the derived shard size as 0 (see the report: it was never given).
-    with pytest.raises(ValueError, match=re.escape(mesh_error(3, 0, 4))):
+    with pytest.raises(ValueError, match=re.escape(divisor_error("replicate_size", 3, 4))):
         resolve_mesh_shape(4, replicate_size=3, shard_size=None)
 
 
 def test_shard_size_that_does_not_divide_the_world_is_rejected():
-    with pytest.raises(ValueError, match=re.escape(mesh_error(0, 3, 4))):
+    with pytest.raises(ValueError, match=re.escape(divisor_error("shard_size", 3, 4))):
         resolve_mesh_shape(4, replicate_size=None, shard_size=3)
 
 
 def test_hybrid_with_processes_per_node_not_dividing_the_world_is_rejected():
-    with pytest.raises(ValueError, match=re.escape(mesh_error(0, 4, 6))):
+    label = "hybrid sharding's shard size (devices per node)"
+    with pytest.raises(ValueError, match=re.escape(divisor_error(label, 4, 6))):
         resolve_mesh_shape(6, replicate_size=None, shard_size=None, processes_per_node=4)
+
+
+@pytest.mark.parametrize("option", ["replicate_size", "shard_size", "processes_per_node"])
+def test_non_positive_sizes_are_rejected(option):
+    with pytest.raises(ValueError, match=re.escape(f"`{option}` must be a positive int; got 0.")):
+        resolve_mesh_shape(4, **{"replicate_size": None, "shard_size": None, option: 0})
 
 
 def test_build_device_mesh_on_one_rank_is_1d_with_the_shard_dim(single_rank_group):

@@ -233,6 +233,9 @@ def test_materialize_meta_tensors_after_sharding_initializes_every_shard(mesh):
     assert torch.equal(full(model.scale), torch.ones_like(full(model.scale)))
     assert full(model.blocks[0].attn_q.weight).std() > 0  # really initialized, not zero-filled
     assert model.head.weight is model.embed.weight
+    # The tied weight keeps its first owner's init (Embedding: N(0, 1)), not the head's Linear init
+    # (uniform within 1/sqrt(WIDTH), std ~0.14), as when the model is built eagerly.
+    assert full(model.embed.weight).std() > 0.5
     model.training_step(batch(), 0).backward()
 
 

@@ -274,3 +274,29 @@ def test_min_params_larger_than_any_submodule_matches_nothing():
     message = "`wrap_policy=1000000 (minimum parameters)` matches no submodule of Net."
     with pytest.raises(ValueError, match=re.escape(message)):
         select_modules(Net(), policy(1_000_000))
+
+
+def test_a_class_that_is_not_a_module_is_rejected_not_taken_as_a_predicate():
+    message = f"`wrap_policy` must be {ACCEPTED}; got the class dict, which is not an nn.Module."
+    with pytest.raises(TypeError, match=re.escape(message)):
+        normalize_policy(dict, option="wrap_policy")
+
+
+def test_auto_falls_back_to_repeated_blocks_when_no_split_modules_names_nothing_present():
+    model = TinyLM()
+    model._no_split_modules = ["LlamaDecoderLayer"]
+    selected = select_modules(model, normalize_policy("auto", option="wrap_policy"))
+    assert [name for name, _ in selected] == ["blocks.2", "blocks.1", "blocks.0"]
+
+
+def test_class_names_match_modules_the_user_already_sharded(single_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_strategy.policy import class_name
+
+    model = TinyLM()
+    fully_shard(model.blocks[0])
+    assert type(model.blocks[0]).__name__ == "FSDPBlock"
+    assert class_name(model.blocks[0]) == "Block"
+    selected = select_modules(model, normalize_policy(["Block"], option="wrap_policy"))
+    assert [name for name, _ in selected] == ["blocks.2", "blocks.1", "blocks.0"]

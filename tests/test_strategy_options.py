@@ -72,22 +72,33 @@ def cpu_trainer(**kwargs) -> L.Trainer:
             TypeError,
             "`reshard_after_forward` must be a bool or a positive int; got 'yes' of type str.",
         ),
-        ({"timeout": 0}, ValueError, "`timeout` must be positive; got 0.0 seconds."),
-        ({"timeout": -5}, ValueError, "`timeout` must be positive; got -5.0 seconds."),
-        ({"timeout": timedelta(0)}, ValueError, "`timeout` must be positive; got 0.0 seconds."),
+        ({"timeout": 0}, ValueError, "`timeout` must be a positive, finite number of seconds; got 0.0."),
+        ({"timeout": -5}, ValueError, "`timeout` must be a positive, finite number of seconds; got -5.0."),
+        ({"timeout": timedelta(0)}, ValueError, "`timeout` must be a positive, finite number of seconds; got 0.0."),
+        ({"timeout": float("nan")}, ValueError, "`timeout` must be a positive, finite number of seconds; got nan."),
+        ({"timeout": float("inf")}, ValueError, "`timeout` must be a positive, finite number of seconds; got inf."),
         (
             {"timeout": "10"},
             TypeError,
-            "`timeout` must be a number of seconds or a datetime.timedelta; got '10'.",
+            "`timeout` must be a number of seconds or a datetime.timedelta; got '10' of type str.",
         ),
         (
             {"timeout": True},
             TypeError,
-            "`timeout` must be a number of seconds or a datetime.timedelta; got True.",
+            "`timeout` must be a number of seconds or a datetime.timedelta; got True of type bool.",
         ),
         ({"hybrid": "yes"}, TypeError, "`hybrid` must be a bool; got 'yes' of type str."),
         ({"meta_init": 1}, TypeError, "`meta_init` must be a bool; got 1 of type int."),
-        ({"compile_blocks": None}, TypeError, "`compile_blocks` must be a bool; got None of type NoneType."),
+        (
+            {"compile_blocks": None},
+            TypeError,
+            "`compile_blocks` must be a bool or the name of a torch.compile backend; got None of type NoneType.",
+        ),
+        (
+            {"compile_blocks": ""},
+            ValueError,
+            "`compile_blocks` must be a bool or the name of a torch.compile backend; got ''.",
+        ),
         (
             {"sync_grads_each_micro_batch": "false"},
             TypeError,
@@ -97,7 +108,7 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         (
             {"mp_policy": "bf16"},
             TypeError,
-            "`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got str.",
+            "`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got 'bf16' of type str.",
         ),
         (
             {"state_dict_type": "zip"},
@@ -107,7 +118,7 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         (
             {"process_group_backend": 5},
             TypeError,
-            "`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got int.",
+            "`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got 5 of type int.",
         ),
         ({"wrap_policy": 3.5}, TypeError, f"`wrap_policy` must be {ACCEPTED_POLICIES}; got 3.5 of type float."),
         ({"wrap_policy": True}, TypeError, f"`wrap_policy` must be {ACCEPTED_POLICIES}; got the bool True."),
@@ -281,7 +292,11 @@ def test_custom_precision_plugin_is_rejected_and_named():
     class MyPrecision(Precision):
         precision = "32-true"
 
-    with pytest.raises(ValueError, match=re.escape("(MyPrecision). Choose one of:")):
+    message = (
+        "FSDP2Strategy does not take custom precision plugins; got MyPrecision. Use `Trainer(precision=...)`"
+        " with one of: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, or pass `mp_policy=` to the strategy."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
         cpu_trainer(strategy="fsdp2", plugins=[MyPrecision()])
 
 
@@ -307,8 +322,8 @@ def test_explicit_mp_policy_with_32_true_is_used_as_given():
 
 def test_mesh_that_does_not_fit_the_world_fails_at_trainer_construction():
     message = (
-        "The device mesh does not fit the world: replicate_size=3 x shard_size=0 must equal the world size 2"
-        " (num_nodes x devices). Choose sizes whose product is 2, or leave one of them unset."
+        "The device mesh does not fit the world: replicate_size=3 does not divide the world size 2"
+        " (num_nodes x devices). Choose a divisor of 2, or leave it unset."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         cpu_trainer(strategy=FSDP2Strategy(replicate_size=3), devices=2)

@@ -1,0 +1,222 @@
+"""In-process ``Trainer(strategy="fsdp2", devices=1)`` on CPU: fit, validate, meta init, configure_model,
+sharded and full checkpoint save and resume. A few steps each; the real multi-process runs live in integration_tests/."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.checkpoint import is_sharded_checkpoint
+from integration_tests.models import VOCAB, WIDTH, Block, TinyLM, token_loader
+
+
+def trainer(tmp_path, **kwargs) -> L.Trainer:
+    kwargs.setdefault("strategy", "fsdp2")
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        **kwargs,
+    )
+
+
+def loader():
+    return token_loader(batch_size=4, samples=16)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def assert_sharded_and_finite(module: nn.Module, uninitialized: set[str] = frozenset()) -> None:
+    """Every parameter is a materialized DTensor; all but ``uninitialized`` (arbitrary memory) are finite."""
+    for name, param in module.named_parameters():
+        assert isinstance(param, DTensor), name
+        assert not param.is_meta and not param.to_local().is_meta, name
+        if name not in uninitialized:
+            assert torch.isfinite(full(param)).all(), name
+
+
+class TinyLMWithReset(TinyLM):
+    """Initializes its own parameter when materialized from the meta device."""
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_fit_and_validate_a_meta_initialized_model(trainer_env, tmp_path, precision):
+    fit_trainer = trainer(tmp_path, max_steps=3, precision=precision)
+    with fit_trainer.init_module(empty_init=True):
+        model = TinyLMWithReset()
+    assert model.embed.weight.is_meta
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_trainer.fit(model, loader(), loader())
+    assert not [w for w in caught if "Parameter initialization incomplete" in str(w.message)]
+
+    assert fit_trainer.global_step == 3
+    assert math.isfinite(fit_trainer.callback_metrics["train_loss"].item())
+    assert isinstance(model, FSDPModule)
+    assert all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert isinstance(model.blocks[0].norm, FSDPModule) is (precision == "bf16-mixed")  # fp32 norm units
+    assert_sharded_and_finite(model)
+    assert model.head.weight is model.embed.weight
+    assert fit_trainer.strategy.device_mesh.mesh_dim_names == ("dp_shard",)
+    assert model.device_mesh is fit_trainer.strategy.device_mesh
+
+    (metrics,) = fit_trainer.validate(model, loader(), verbose=False)
+    assert math.isfinite(metrics["val_loss"])
+    assert fit_trainer.strategy.model is model  # validate reuses the sharded model
+
+
+class NoReset(nn.Module):
+    """Owns a parameter but has no reset_parameters(): left uninitialized after meta init, and warned about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+
+class BuiltInConfigureModel(L.LightningModule):
+    """Creates its layers in configure_model(), where the device mesh is already available."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, object] = {}
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
+        self.seen["mesh_dims"] = self.device_mesh.mesh_dim_names
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.blocks[0].unused = NoReset()  # inside a unit, so it keeps its class name
+        self.seen["built_on"] = self.blocks[0].attn_q.weight.device
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_layers_built_in_configure_model_end_up_sharded_not_meta(trainer_env, tmp_path):
+    fit_trainer = trainer(tmp_path, max_steps=2)
+    model = BuiltInConfigureModel()
+    warning = (
+        "Parameter initialization incomplete: these modules were built on the meta device and have no"
+        " `reset_parameters()` to initialize them: NoReset."
+    )
+    with pytest.warns(UserWarning, match=re.escape(warning)):
+        fit_trainer.fit(model, loader())
+
+    assert model.seen == {"mesh_dims": ("dp_shard",), "built_on": torch.device("meta")}
+    assert fit_trainer.global_step == 2
+    assert all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert_sharded_and_finite(model, uninitialized={"blocks.0.unused.weight"})
+
+
+class RecordStartState(L.Callback):
+    """What the resumed run starts from: after the checkpoint is loaded, before any new step."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.global_step = trainer.global_step
+        self.params = {name: full(p).detach().clone() for name, p in pl_module.named_parameters()}
+        self.optimizer = optimizer_state_by_name(pl_module, trainer.optimizers[0])
+
+
+def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        name: {key: full(value).clone() for key, value in optimizer.state[param].items()}
+        for name, param in model.named_parameters()
+    }
+
+
+def test_sharded_checkpoint_save_then_resume_continues(trainer_env, tmp_path):
+    torch.manual_seed(0)
+    first = trainer(tmp_path, max_steps=2)
+    model = TinyLM()
+    first.fit(model, loader())
+    path = tmp_path / "last"
+    first.save_checkpoint(path)
+    assert is_sharded_checkpoint(path)
+    saved_params = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    saved_optimizer = optimizer_state_by_name(model, first.optimizers[0])
+    assert saved_optimizer["blocks.0.attn_q.weight"]["step"].item() == 2
+
+    trainer_env.fresh()
+    torch.manual_seed(1)
+    start = RecordStartState()
+    second = trainer(tmp_path, max_steps=4, callbacks=[start])
+    resumed = TinyLM()
+    second.fit(resumed, loader(), ckpt_path=path)
+
+    assert start.global_step == 2
+    assert start.params.keys() == saved_params.keys()
+    assert all(torch.equal(start.params[name], saved_params[name]) for name in saved_params)
+    assert start.optimizer.keys() == saved_optimizer.keys()
+    for name, state in saved_optimizer.items():
+        assert state.keys() == start.optimizer[name].keys()
+        assert all(torch.equal(start.optimizer[name][key], value) for key, value in state.items()), name
+    assert second.global_step == 4
+    assert not torch.equal(full(resumed.blocks[0].attn_q.weight), saved_params["blocks.0.attn_q.weight"])
+
+
+class StaleOptimizer(TinyLM):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+
+
+def test_optimizer_without_sharded_parameters_is_rejected(trainer_env, tmp_path):
+    message = (
+        "The optimizer does not reference any sharded parameter. HINT: create it in"
+        " `configure_optimizers()` from `self.parameters()`, which the strategy calls after sharding."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer(tmp_path, strategy=FSDP2Strategy(meta_init=False), max_steps=1).fit(StaleOptimizer(), loader())
+
+
+def test_full_state_dict_checkpoint_is_one_lightning_file_that_resumes(trainer_env, tmp_path):
+    first = trainer(tmp_path, strategy=FSDP2Strategy(state_dict_type="full"), max_steps=2)
+    model = TinyLM()
+    first.fit(model, loader())
+    path = tmp_path / "full.ckpt"
+    first.save_checkpoint(path)
+    saved_params = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+
+    assert path.is_file()
+    checkpoint = torch.load(path, weights_only=False)
+    assert not any(isinstance(t, DTensor) for t in checkpoint["state_dict"].values())
+    assert torch.equal(checkpoint["state_dict"]["blocks.0.attn_q.weight"], saved_params["blocks.0.attn_q.weight"])
+    state = checkpoint["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(saved_params)))  # keyed by index, as from DDP
+
+    trainer_env.fresh()
+    start = RecordStartState()
+    second = trainer(tmp_path, max_steps=3, callbacks=[start])  # the default sharded strategy reads it
+    second.fit(TinyLM(), loader(), ckpt_path=path)
+    assert start.global_step == 2
+    assert all(torch.equal(start.params[name], saved_params[name]) for name in saved_params)
+    assert second.global_step == 3
