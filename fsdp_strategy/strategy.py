@@ -169,6 +169,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._state_dict_type = state_dict_type
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
+        self._in_manual_step = False
         self.num_nodes = 1
 
     @classmethod
@@ -393,6 +394,25 @@ class FSDP2Strategy(ParallelStrategy):
                     "The optimizer does not reference any sharded parameter. HINT: create it in"
                     " `configure_optimizers()` from `self.parameters()`, which the strategy calls after sharding."
                 )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_manual_step = not self.lightning_module.automatic_optimization  # type: ignore[union-attr]
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            if self._in_manual_step and isinstance(self.model, FSDPModule):
+                self.model.reshard()
+            self._in_manual_step = False
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._in_manual_step and isinstance(self.model, FSDPModule):
+            # The root's own parameters were gathered when training_step began and resharded by the
+            # backward that just ran; gather the updated shards so the rest of the step sees them.
+            self.model.unshard()
+        return output
 
     @override
     def model_to_device(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from lightning import LightningModule
+from torchmetrics.classification import MulticlassAccuracy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,6 +40,7 @@ class TinyLM(LightningModule):
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.scale = nn.Parameter(torch.ones(WIDTH))
+        self.val_accuracy = MulticlassAccuracy(num_classes=VOCAB, average="micro")
 
     def reset_parameters(self) -> None:
         # Called for the module's own parameters when it is materialized from the meta device.
@@ -60,7 +62,12 @@ class TinyLM(LightningModule):
         return loss
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch), sync_dist=True)
+        tokens, targets = batch
+        logits = self(tokens)
+        self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), sync_dist=True)
+        # torchmetrics syncs its own state across ranks when computed at epoch end.
+        self.val_accuracy(logits.flatten(0, 1), targets.flatten())
+        self.log("val_accuracy", self.val_accuracy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "sgd":
@@ -80,13 +87,22 @@ def token_loader(batch_size: int = 4, samples: int = 64) -> DataLoader:
 
 class TinyGAN(LightningModule):
     """Manual optimization with two optimizers: the generator's loss goes through the discriminator
-    that was updated earlier in the same step, so stale discriminator weights would change the result."""
+    that was updated earlier in the same step, so stale discriminator weights would change the result.
+    ``temperature`` is owned by the LightningModule itself (the FSDP root) and is used on both sides
+    of that update."""
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.generator = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
         self.discriminator = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, 1))
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.temperature)
+
+    def judge(self, samples: torch.Tensor) -> torch.Tensor:
+        return self.discriminator(samples) * self.temperature
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
@@ -94,13 +110,12 @@ class TinyGAN(LightningModule):
         noise = torch.randn(real.shape, generator=torch.Generator().manual_seed(batch_idx))
         fake = self.generator(noise)
         bce = nn.functional.binary_cross_entropy_with_logits
-        d_loss = bce(self.discriminator(real), torch.ones(len(real), 1)) + bce(
-            self.discriminator(fake.detach()), torch.zeros(len(real), 1)
-        )
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        d_loss = bce(self.judge(real), ones) + bce(self.judge(fake.detach()), zeros)
         opt_d.zero_grad()
         self.manual_backward(d_loss)
         opt_d.step()
-        g_loss = bce(self.discriminator(fake), torch.ones(len(real), 1))
+        g_loss = bce(self.judge(fake), ones)
         opt_g.zero_grad()
         self.manual_backward(g_loss)
         opt_g.step()
@@ -114,5 +129,5 @@ class TinyGAN(LightningModule):
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
             torch.optim.Adam(self.generator.parameters(), lr=1e-2),
-            torch.optim.Adam(self.discriminator.parameters(), lr=1e-2),
+            torch.optim.Adam([*self.discriminator.parameters(), self.temperature], lr=1e-2),
         ]
