@@ -1,7 +1,7 @@
 """Train a small byte-level GPT with FSDP2 through Lightning's own launcher.
 
-    python examples/train_gpt.py                    # FSDP2 + bf16-mixed, 2 CPU processes (or all GPUs)
-    python examples/train_gpt.py --strategy ddp     # the same job with DDP
+    python examples/train_gpt.py                   # FSDP2 + bf16-mixed, 2 CPU processes (or all GPUs)
+    python examples/train_gpt.py --strategy ddp    # the same job with DDP
     python examples/train_gpt.py --strategy fsdp2_grad_op --precision 32-true --max-steps 300
 
 No ``torchrun`` needed: ``Trainer(devices=N)`` starts the other processes itself. At the end, rank 0 prints the
@@ -9,6 +9,7 @@ final losses, the peak memory of each rank and the training throughput.
 """
 
 import argparse
+import collections
 import math
 import os
 import resource
@@ -21,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-import fsdp_strategy  # noqa: F401  (registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
+import fsdp_strategy  # registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload"
 from gpt import GPT, ByteTextDataModule
 
 
@@ -30,7 +31,7 @@ def parse_args() -> argparse.Namespace:
                                 allow_abbrev=False)
     p.add_argument("--strategy", default="fsdp2", help="any registered strategy name: fsdp2, ddp, ...")
     p.add_argument("--precision", default="bf16-mixed", help="bf16-mixed, 32-true, bf16-true, ...")
-    p.add_argument("--devices", type=int, default=None, help="processes (default: all GPUs, else 2 CPU processes)")
+    p.add_argument("--devices", type=int, default=None, help="default: all GPUs, else 2 CPU processes")
     p.add_argument("--max-steps", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=8, help="per process")
     p.add_argument("--n-layer", type=int, default=4)
@@ -55,10 +56,13 @@ class RunSummary(Callback):
         self.batches = self.samples = 0
         self.start = self.elapsed = None
         self.val_time = 0.0  # validation inside the timed window is not training time
+        self.recent_losses = collections.deque(maxlen=10)
         self.summary = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now, self.batches = time.perf_counter(), self.batches + 1
+        # Lightning divides the returned loss by accumulate_grad_batches; undo that for reporting
+        self.recent_losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
         if self.batches == self.warmup_batches:
             self.start, self.val_time = now, 0.0
         elif self.batches > self.warmup_batches:
@@ -76,12 +80,13 @@ class RunSummary(Callback):
         if device.type == "cuda":
             peak_mib, what = torch.cuda.max_memory_allocated(device) / 2**20, "CUDA max allocated"
         else:  # ru_maxrss is in KiB on Linux, bytes on macOS
-            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-            what = "peak RSS"
-        loss = float(trainer.callback_metrics.get("train_loss", math.nan))
-        mine = torch.tensor([self.samples, self.elapsed or math.nan, peak_mib, loss], dtype=torch.float64, device=device)
+            unit = 2**20 if sys.platform == "darwin" else 2**10
+            peak_mib, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit, "peak RSS"
+        loss = torch.stack(list(self.recent_losses)).mean().item() if self.recent_losses else math.nan
+        mine = torch.tensor([self.samples, self.elapsed or math.nan, peak_mib, loss], dtype=torch.float64)
+        mine = mine.to(device)
         rows = [mine]
-        if torch.distributed.is_initialized():  # a collective: every rank takes part
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # every rank must call this
             rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(rows, mine)
         rows = torch.stack(rows).cpu()
@@ -99,8 +104,6 @@ def main() -> None:
     # CPU threads: Lightning's launcher already sets OMP_NUM_THREADS / torch.set_num_threads to
     # (CPU cores // processes) unless OMP_NUM_THREADS is set, i.e. 1 thread per rank for 2 ranks on 2 cores.
 
-    model = GPT(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                learning_rate=args.learning_rate, weight_decay=0.1, warmup_steps=10, lr_schedule="cosine")
     data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
     summary = RunSummary()
     train_batches = args.max_steps * args.accumulate_grad_batches
@@ -122,20 +125,35 @@ def main() -> None:
         default_root_dir=args.output_dir,
         callbacks=[summary],
     )
+    # With FSDP2 the model is created on the meta device (no memory) and each rank initializes only its own
+    # shards after sharding, through the modules' reset_parameters(). Other strategies build it normally.
+    with trainer.init_module(empty_init=isinstance(trainer.strategy, fsdp_strategy.FSDP2Strategy)):
+        model = GPT(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                    learning_rate=args.learning_rate, weight_decay=0.1, warmup_steps=10, lr_schedule="cosine")
     trainer.fit(model, datamodule=data)
 
     if trainer.is_global_zero:
-        s, tokens_per_sample = summary.summary, args.block_size
-        print(f"\n== {args.strategy} | {args.precision} | {trainer.world_size} x {trainer.strategy.root_device.type}"
-              f" | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | {trainer.global_step} steps ==")
-        print(f"final train loss {s['train_loss']:.4f} (last step, mean over ranks) | val loss {s['val_loss']:.4f}")
-        print(f"{s['memory_kind']} per rank: " + ", ".join(f"rank {i}: {m:.0f} MiB" for i, m in enumerate(s["peak_mib"])))
-        rate = s["samples"] / s["seconds"]
-        print(f"throughput (all ranks, after {summary.warmup_batches} warm-up batches): {rate:.1f} samples/s,"
-              f" {rate * tokens_per_sample:,.0f} tokens/s")
-        print(f"time since start of main(): {time.perf_counter() - t0:.1f} s | logs: {trainer.logger.log_dir}")
-        if not on_gpu and "bf16" in args.precision and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            print("note: this CPU has no native bf16 support; bf16 matmuls are emulated, --precision 32-true is much faster here")
+        print_summary(args, trainer, model, summary, time.perf_counter() - t0)
+
+
+def print_summary(args, trainer, model, summary: RunSummary, seconds: float) -> None:
+    s, device = summary.summary, trainer.strategy.root_device
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"\n== {args.strategy} | {args.precision} | {trainer.world_size} x {device.type} | {n_params:.2f}M params"
+          f" | {trainer.global_step} steps ==")
+    print(f"final train loss {s['train_loss']:.4f} (last 10 batches, all ranks) | val loss {s['val_loss']:.4f}")
+    print(f"{s['memory_kind']} per rank: " + ", ".join(f"{m:.0f} MiB" for m in s["peak_mib"]))
+    rate = s["samples"] / s["seconds"]
+    print(f"throughput (all ranks, after {summary.warmup_batches} warm-up batches): {rate:.1f} samples/s,"
+          f" {rate * args.block_size:,.0f} tokens/s")
+    print(f"{seconds:.1f} s since the start of main() | logs: {trainer.logger.log_dir}")
+    if device.type == "cpu" and "bf16" in args.precision and not cpu_has_bf16():
+        print("note: this CPU has no native bf16, so bf16 matmuls are emulated; --precision 32-true is much faster")
+
+
+def cpu_has_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return check is None or bool(check())
 
 
 if __name__ == "__main__":
