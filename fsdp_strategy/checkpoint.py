@@ -7,6 +7,8 @@ optimizers under ``"optimizer_0"``, ..., trainer state in ``meta.pt``), so
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,18 @@ __all__ = [
     "load_sharded",
     "model_state",
     "optimizer_state",
+    "publish",
+    "remove_path",
+    "save_full_file",
     "save_sharded",
+    "split_checkpoint",
+    "staging_path",
+    "write_trainer_state",
 ]
 
 METADATA_FILENAME = "meta.pt"
 MODEL_KEY = "model"
+PARTIAL_PREFIX = ".partial-"
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -54,14 +63,72 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, *, full: bool) -> di
     return state
 
 
-def save_sharded(path: Path, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
-    """Every rank writes its shards of the model and optimizer states; rank 0 writes the rest to ``meta.pt``."""
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {MODEL_KEY: checkpoint.pop("state_dict")}
-    tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    dcp.save(tensors, checkpoint_id=path)
+def staging_path(path: Path, token: str) -> Path:
+    """Where a checkpoint is written before it becomes visible as ``path``.
+
+    Hidden, and without the word "last", so that neither a directory listing nor Lightning's
+    ``ckpt_path="last"`` lookup ever takes a half-written checkpoint.
+    """
+    return path.parent / f"{PARTIAL_PREFIX}{token}"
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sharded tensors (model, optimizers) in Lightning's DCP layout, and the rest of the trainer state."""
+    rest = dict(checkpoint)
+    tensors = {MODEL_KEY: rest.pop("state_dict")}
+    tensors.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
+    return tensors, rest
+
+
+def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
+    """Every rank writes its shards into ``staging``; rank 0 also writes the trainer state to ``meta.pt``.
+
+    When this returns on rank 0, every rank has written its shards: DCP's coordinator writes
+    ``.metadata`` only after gathering all ranks' write results.
+    """
+    tensors, rest = split_checkpoint(checkpoint)
     if is_rank_zero:
-        torch.save(checkpoint, path / METADATA_FILENAME)
+        write_trainer_state(staging, rest)
+    dcp.save(tensors, checkpoint_id=staging)
+
+
+def write_trainer_state(staging: Path, state: dict[str, Any]) -> None:
+    staging.mkdir(parents=True, exist_ok=True)
+    torch.save(state, staging / METADATA_FILENAME)
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Rank 0: gives a completely written checkpoint its final name, replacing an older one at that name.
+
+    The older checkpoint is renamed aside first (``<name>.previous``), then removed once the new
+    one is in place, so a crash at any moment leaves a complete checkpoint behind.
+    """
+    previous = path.with_name(path.name + ".previous")
+    if path.exists():
+        remove_path(previous)
+        os.rename(path, previous)
+    os.rename(staging, path)
+    remove_path(previous)
+
+
+def save_full_file(path: Path, checkpoint: dict[str, Any], token: str) -> None:
+    """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place."""
+    staging = staging_path(path, token)
+    with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
+        torch.save(checkpoint, file)
+        file.flush()
+        os.fsync(file.fileno())
+    if path.is_dir():
+        publish(staging, path)
+    else:
+        os.replace(staging, path)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-import shutil
+import threading
+import uuid
 from collections.abc import Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -93,6 +96,8 @@ class FSDP2Strategy(ParallelStrategy):
             ``configure_model`` loads weights.
         state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory, every rank writes its
             shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0).
+        async_save: write checkpoints in the background while training continues; a new save
+            waits for the previous one, and a failed write raises at the next save or at the end.
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
         timeout: seconds (or a ``timedelta``) that collectives wait for a peer before failing.
     """
@@ -114,6 +119,7 @@ class FSDP2Strategy(ParallelStrategy):
         compile_blocks: bool | str = False,
         meta_init: bool = True,
         state_dict_type: str = "sharded",
+        async_save: bool = False,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800,
     ) -> None:
@@ -125,6 +131,7 @@ class FSDP2Strategy(ParallelStrategy):
             ("cpu_offload", cpu_offload),
             ("sync_grads_each_micro_batch", sync_grads_each_micro_batch),
             ("meta_init", meta_init),
+            ("async_save", async_save),
         ):
             _check_bool(option, value)
         if not isinstance(compile_blocks, (bool, str)):
@@ -167,6 +174,10 @@ class FSDP2Strategy(ParallelStrategy):
         self._compile_blocks = compile_blocks
         self._meta_init = meta_init
         self._state_dict_type = state_dict_type
+        self._async_save = async_save
+        self._pending_save: _PendingSave | None = None
+        self._async_group: Any = None
+        self._save_executor: ThreadPoolExecutor | None = None
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
@@ -481,21 +492,58 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
+        crash mid-save leaves the previous checkpoints intact. With ``async_save`` the writing runs in
+        the background and the next save (or load, or the end of training) waits for it."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`; got {storage_options!r}.")
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(str(filepath)))
+        token = self.broadcast(uuid.uuid4().hex[:16])
         if self._state_dict_type == "full":
-            if self.is_global_zero and ckpt.is_sharded_checkpoint(path):
-                shutil.rmtree(path)
-            super().save_checkpoint(checkpoint, path)
+            if self.is_global_zero:
+                if self._async_save:
+                    self._pending_save = _PendingSave(self._executor().submit(ckpt.save_full_file, path, checkpoint, token))
+                else:
+                    ckpt.save_full_file(path, checkpoint, token)
+            self.barrier()
             return
-        if self.is_global_zero and path.is_file():
-            path.unlink()
-        self.barrier()
-        ckpt.save_sharded(path, checkpoint, is_rank_zero=self.is_global_zero)
+        staging = ckpt.staging_path(path, token)
+        if not self._async_save:
+            ckpt.save_sharded(staging, checkpoint, is_rank_zero=self.is_global_zero)
+            if self.is_global_zero:
+                ckpt.publish(staging, path)
+            self.barrier()
+            return
+        tensors, rest = ckpt.split_checkpoint(checkpoint)
+        if self.is_global_zero:
+            ckpt.write_trainer_state(staging, rest)
+        # Tensors are copied to host memory before async_save returns; training may change them after.
+        future = dcp.async_save(tensors, checkpoint_id=staging, process_group=self._checkpoint_group())
+        self._pending_save = _PendingSave(future, staging=staging, path=path if self.is_global_zero else None)
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until a background save has finished; raises its error if it failed."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+            self.barrier()
+
+    def _checkpoint_group(self) -> Any:
+        # Background saves talk over their own gloo group, so they never interleave with the
+        # training collectives on the default group.
+        if self._async_group is None:
+            self._async_group = torch.distributed.new_group(backend="gloo")
+        return self._async_group
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._save_executor is None:
+            self._save_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-checkpoint")
+        return self._save_executor
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
@@ -508,20 +556,52 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        if not self.is_global_zero:
+            return
+        if self._pending_save is not None:
+            # Remove the older checkpoint only once its replacement is safely written.
+            self._pending_save.remove_after_success.append(Path(filepath))
+        else:
+            ckpt.remove_path(Path(filepath))
 
     @override
     def teardown(self) -> None:
         # Sharded parameters stay where they are: moving them to CPU would gather nothing and cost a copy.
+        self.wait_for_checkpoint()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+class _PendingSave:
+    """A background save; on rank 0 its completion publishes the checkpoint under its final name."""
+
+    def __init__(self, future: Future, *, staging: Path | None = None, path: Path | None = None) -> None:
+        self.future = future
+        self.remove_after_success: list[Path] = []
+        self._publish_error: BaseException | None = None
+        self._done = threading.Event()
+        self._staging, self._path = staging, path
+        future.add_done_callback(self._finish)
+
+    def _finish(self, future: Future) -> None:
+        try:
+            if future.exception() is None:
+                if self._path is not None and self._staging is not None:
+                    ckpt.publish(self._staging, self._path)
+                for path in self.remove_after_success:
+                    ckpt.remove_path(path)
+        except BaseException as error:  # surfaced by wait(), on the training thread
+            self._publish_error = error
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        self.future.result()  # re-raises a failed write
+        self._done.wait()
+        if self._publish_error is not None:
+            raise self._publish_error
 
 
 def _check_bool(option: str, value: Any) -> None:

@@ -31,9 +31,9 @@ class Block(nn.Module):
 class TinyLM(LightningModule):
     """Embedding tied to the output head, a ModuleList of blocks, and a parameter owned by the module itself."""
 
-    def __init__(self, optimizer: str = "adamw", n_layer: int = 3, lr: float = 1e-2) -> None:
+    def __init__(self, optimizer: str = "adamw", n_layer: int = 3, lr: float = 1e-2, scheduler: bool = False) -> None:
         super().__init__()
-        self.optimizer_name, self.lr = optimizer, lr
+        self.optimizer_name, self.lr, self.scheduler = optimizer, lr, scheduler
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(n_layer))
         self.norm = nn.LayerNorm(WIDTH)
@@ -69,10 +69,14 @@ class TinyLM(LightningModule):
         self.val_accuracy(logits.flatten(0, 1), targets.flatten())
         self.log("val_accuracy", self.val_accuracy)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
 
 
 def token_dataset(samples: int = 64, seed: int = 0) -> TensorDataset:

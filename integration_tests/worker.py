@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -69,12 +70,17 @@ VARIANTS: dict[str, dict] = {
     "sgd_bf16": {"optimizer": "sgd", "precision": "bf16-mixed"},
     "gan": {"model": "gan"},
     "empty_init": {"empty_init": True},
+    "adamw_scheduler": {"scheduler": True},
 }
 
 
 def make_strategy(name: str, variant: dict) -> str | L.pytorch.strategies.Strategy:
     if name == "ddp" and variant.get("model") == "gan":
         return "ddp_find_unused_parameters_true"  # the discriminator step leaves the generator unused
+    if name == "fsdp2_full":
+        return fsdp_strategy.FSDP2Strategy(state_dict_type="full")
+    if name == "fsdp2_async":
+        return fsdp_strategy.FSDP2Strategy(async_save=True)
     if name == "fsdp2_compiled":
         return fsdp_strategy.FSDP2Strategy(compile_blocks="aot_eager")
     if name == "fsdp2_replicate2":
@@ -90,7 +96,13 @@ def _ac(variant: dict) -> str | None:
     return "auto" if variant.get("activation_checkpointing") else None
 
 
-def train(strategy_name: str, variant: dict, devices: int, max_steps: int) -> dict:
+def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir: Path | None) -> dict:
+    """``run`` is a strategy name, or ``name:source`` to resume from the checkpoint that the run
+    ``source`` saved in ``checkpoint_dir`` and train as many steps again."""
+    strategy_name, _, source = run.partition(":")
+    ckpt_path = checkpoint_dir / f"{source}.ckpt" if source and checkpoint_dir else None
+    if ckpt_path is not None:
+        max_steps *= 2
     L.seed_everything(42)
     accumulate = variant.get("accumulate", 1)
     recorder = Recorder()
@@ -113,8 +125,14 @@ def train(strategy_name: str, variant: dict, devices: int, max_steps: int) -> di
         callbacks=[recorder],
     )
     with trainer.init_module(empty_init=variant.get("empty_init", False)):
-        model = TinyGAN() if variant.get("model") == "gan" else TinyLM(optimizer=variant.get("optimizer", "adamw"))
-    trainer.fit(model, token_loader(), token_loader())
+        if variant.get("model") == "gan":
+            model = TinyGAN()
+        else:
+            model = TinyLM(optimizer=variant.get("optimizer", "adamw"), scheduler=variant.get("scheduler", False))
+    trainer.fit(model, token_loader(), token_loader(), ckpt_path=ckpt_path)
+    if checkpoint_dir is not None and ckpt_path is None:
+        trainer.save_checkpoint(checkpoint_dir / f"{strategy_name}.ckpt")
+        trainer.strategy.barrier()
 
     optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
     per_rank: list = [None] * trainer.world_size
@@ -142,6 +160,7 @@ def main() -> None:
     parser.add_argument("--variants", default="adamw", help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--devices", type=int, default=None, help="use Lightning's launcher with this many processes")
     parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save (name) / resume (name:source) here")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -149,7 +168,7 @@ def main() -> None:
     results, is_global_zero = {}, False
     for variant in args.variants.split(","):
         for strategy in args.strategies.split(","):
-            result = train(strategy, VARIANTS[variant], devices, args.max_steps)
+            result = train(strategy, VARIANTS[variant], devices, args.max_steps, args.checkpoint_dir)
             is_global_zero = result.pop("is_global_zero")
             results[f"{strategy}/{variant}"] = result
     if is_global_zero:

@@ -1,0 +1,308 @@
+"""Turn a sharded checkpoint directory into one ordinary Lightning checkpoint file, in one process.
+
+``FSDP2Strategy`` saves a directory in PyTorch's Distributed Checkpoint (DCP) format: ``.metadata``,
+one ``__{rank}_0.distcp`` file per rank, and ``meta.pt`` with the rest of the Lightning checkpoint.
+:func:`consolidate_checkpoint` reads that directory without any process group and writes a single
+``torch.save`` file that ``LightningModule.load_from_checkpoint`` and ``Trainer.fit(ckpt_path=...)``
+accept with any strategy:
+
+* ``state_dict``: plain tensors under the LightningModule's own ``state_dict()`` keys;
+* ``optimizer_states``: one entry per optimizer, keyed by parameter index exactly as
+  ``torch.optim.Optimizer.state_dict()`` keys it (indices numbered group by group, in order);
+* every entry of ``meta.pt`` (epoch, global_step, loops, callbacks, lr_schedulers, hyper-parameters, ...).
+
+Tensors are read one at a time, each whole (all of its shards) straight into the tensor that is kept,
+so the process holds what it has collected so far plus a single tensor in flight: about one copy of
+the model and optimizer state, never two.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from fsdp_strategy.checkpoint import METADATA_FILENAME, MODEL_KEY
+
+__all__ = ["consolidate_checkpoint"]
+
+DCP_METADATA_FILENAME = ".metadata"
+_OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """What :func:`consolidate_checkpoint` wrote (the ``consolidate`` command prints it)."""
+
+    path: Path
+    tensors: int
+    tensor_bytes: int
+    file_bytes: int
+
+    def describe(self) -> str:
+        return f"{self.path}: {self.tensors} tensors, {_human_size(self.tensor_bytes)} of tensor data, file {_human_size(self.file_bytes)}"
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    output_file: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Writes the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``output_file``.
+
+    Runs in one process and needs no process group. The file is written under a temporary name in the
+    same folder and renamed when complete, so a failure never leaves a partial ``output_file``.
+
+    Args:
+        checkpoint_dir: a directory written by ``FSDP2Strategy`` (``state_dict_type="sharded"``).
+        output_file: the file to write; its folder is created if needed.
+        overwrite: replace ``output_file`` if it exists (otherwise that is an error).
+        progress: show a progress bar over the tensors on stderr (needs ``tqdm``; none without it).
+
+    Returns:
+        The path of the written file.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` does not exist.
+        ValueError: ``checkpoint_dir`` is not a readable sharded checkpoint (no ``.metadata``, no
+            ``meta.pt``, a missing shard file, or unreadable contents).
+        FileExistsError: ``output_file`` exists and ``overwrite`` is false.
+        IsADirectoryError: ``output_file`` is a directory.
+    """
+    return _consolidate(checkpoint_dir, output_file, overwrite=overwrite, progress=progress).path
+
+
+def _consolidate(
+    checkpoint_dir: str | os.PathLike[str],
+    output_file: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> _Summary:
+    """:func:`consolidate_checkpoint`, returning what was written (for the ``consolidate`` command)."""
+    source, target = Path(checkpoint_dir), Path(output_file)
+    reader, metadata = _open_checkpoint(source)
+    _check_output(target, overwrite)
+    trainer_state = _load_trainer_state(source)
+
+    tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
+    tensor_set = set(tensor_keys)
+    other_keys = [key for key in metadata.state_dict_metadata if key not in tensor_set]
+    flat: dict[str, Any] = {}
+    flat.update(_read_non_tensors(reader, metadata, source, other_keys))
+    tensor_bytes = 0
+    for key, tensor in _with_progress(_read_tensors(reader, metadata, source, tensor_keys), len(tensor_keys), progress):
+        flat[key] = tensor
+        tensor_bytes += tensor.numel() * tensor.element_size()
+    # Metadata order is the order in which the state was saved; keep it for the nested dicts.
+    flat = {key: flat[key] for key in metadata.state_dict_metadata}
+
+    checkpoint = _lightning_checkpoint(_unflatten(flat, metadata), trainer_state, source)
+    del flat
+    _save_atomically(checkpoint, target, overwrite)
+    return _Summary(target, len(tensor_keys), tensor_bytes, target.stat().st_size)
+
+
+# --- reading the directory ----------------------------------------------------------------------------
+
+
+def _open_checkpoint(source: Path) -> tuple[FileSystemReader, Metadata]:
+    if not source.exists():
+        raise FileNotFoundError(f"checkpoint directory {source} does not exist")
+    if not source.is_dir():
+        raise ValueError(f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)")
+    index = source / DCP_METADATA_FILENAME
+    if not index.is_file():
+        raise ValueError(f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file (the Distributed Checkpoint index)")
+    if not (source / METADATA_FILENAME).is_file():
+        raise ValueError(f"{source} is not a sharded Lightning checkpoint: it has no {METADATA_FILENAME} file (the trainer state)")
+    reader = FileSystemReader(source)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:  # unpickling a damaged file raises many kinds of errors
+        raise ValueError(f"cannot read {index}: {_one_line(exc)}") from exc
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"cannot read {index}: it holds a {type(metadata).__name__}, not Distributed Checkpoint metadata")
+    reader.set_up_storage_reader(metadata, True)
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    for name in sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")}):
+        if not (source / name).is_file():
+            raise ValueError(f"{source} is incomplete: shard file {name} listed in {DCP_METADATA_FILENAME} is missing")
+    return reader, metadata
+
+
+def _load_trainer_state(source: Path) -> dict[str, Any]:
+    path = source / METADATA_FILENAME
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)  # trainer state holds arbitrary objects
+    except Exception as exc:
+        raise ValueError(f"cannot read {path}: {_one_line(exc)}") from exc
+    if not isinstance(state, dict):
+        raise ValueError(f"cannot read {path}: it holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def _read(reader: FileSystemReader, metadata: Metadata, entries: dict[str, Any]) -> dict[str, Any]:
+    """One DCP read of ``entries`` (flat keys of the checkpoint): tensors are filled in place, other values replaced."""
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner.set_up_planner(entries, metadata, True)
+    plans = planner.create_global_plan([reader.prepare_local_plan(planner.create_local_plan())])
+    plan = planner.finish_plan(reader.prepare_global_plan(plans)[0])
+    reader.read_data(plan, planner).wait()
+    return entries
+
+
+def _read_non_tensors(reader: FileSystemReader, metadata: Metadata, source: Path, keys: list[str]) -> dict[str, Any]:
+    """Non-tensor values (optimizer hyper-parameters, parameter names, ...) are small pickles: one read for all."""
+    for key in keys:
+        if not isinstance(metadata.state_dict_metadata[key], BytesStorageMetadata):
+            kind = type(metadata.state_dict_metadata[key]).__name__
+            raise ValueError(f"cannot consolidate {source}: entry {key!r} is stored as {kind}, which this reader does not support")
+    if not keys:
+        return {}
+    try:
+        return _read(reader, metadata, dict.fromkeys(keys))
+    except Exception as exc:
+        raise ValueError(f"cannot read the non-tensor values of {source}: {_one_line(exc)}") from exc
+
+
+def _read_tensors(reader: FileSystemReader, metadata: Metadata, source: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor whole, one read each: its shards from all ranks' files are copied into one new tensor."""
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        assert isinstance(md, TensorStorageMetadata)
+        tensor = torch.empty(md.size, dtype=md.properties.dtype)
+        try:
+            _read(reader, metadata, {key: tensor})
+        except Exception as exc:
+            raise ValueError(f"cannot read tensor {key!r} from {source}: {_one_line(exc)}") from exc
+        yield key, tensor
+
+
+def _with_progress(items: Iterable[Any], total: int, enabled: bool) -> Iterable[Any]:
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is an optional dependency: no bar then
+        return items
+    return tqdm(items, total=total, desc="Consolidating", unit="tensor", file=sys.stderr, dynamic_ncols=True)
+
+
+# --- building the Lightning checkpoint ------------------------------------------------------------------
+
+
+def _unflatten(flat: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """Rebuilds the nested state from DCP's flat keys; ``planner_data`` holds each key's path (ints index lists)."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = paths.get(key) or (key,)
+        node: Any = nested
+        for part, next_part in zip(path[:-1], path[1:]):
+            child = _get(node, part)
+            if child is None:
+                child = [] if isinstance(next_part, int) else {}
+                _put(node, part, child)
+            node = child
+        _put(node, path[-1], value)
+    return nested
+
+
+def _get(node: Any, key: Any) -> Any:
+    if isinstance(node, list):
+        return node[key] if key < len(node) else None
+    return node.get(key)
+
+
+def _put(node: Any, key: Any, value: Any) -> None:
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+    node[key] = value
+
+
+def _lightning_checkpoint(nested: dict[str, Any], trainer_state: dict[str, Any], source: Path) -> dict[str, Any]:
+    optimizers: dict[int, Any] = {}
+    others: dict[str, Any] = {}
+    for key, value in nested.items():
+        match = _OPTIMIZER_KEY.fullmatch(key)
+        if match:
+            optimizers[int(match.group(1))] = value
+        elif key != MODEL_KEY:
+            others[key] = value  # not written by FSDP2Strategy; kept under its own key
+    if sorted(optimizers) != list(range(len(optimizers))):
+        raise ValueError(f"cannot consolidate {source}: optimizer entries are not numbered 0..N-1: {sorted(optimizers)}")
+    checkpoint = {**trainer_state, **others}
+    checkpoint["state_dict"] = nested.get(MODEL_KEY, {})
+    checkpoint["optimizer_states"] = [
+        _index_keyed(optimizers[i], f"optimizer_{i}", source) for i in range(len(optimizers))
+    ]
+    return checkpoint
+
+
+def _index_keyed(state: dict[str, Any], name: str, source: Path) -> dict[str, Any]:
+    """Parameter names to the indices that ``Optimizer.state_dict()`` uses: positions in the groups, group by group."""
+    groups = state.get("param_groups", [])
+    names = [param for group in groups for param in group["params"]]
+    index = {param: i for i, param in enumerate(names)}
+    if len(index) != len(names):
+        raise ValueError(f"cannot consolidate {source}: {name} lists a parameter in more than one place in its param_groups")
+    per_param = state.get("state", {})  # DCP saves nothing for an optimizer that has not stepped yet
+    unknown = [param for param in per_param if param not in index]
+    if unknown:
+        raise ValueError(f"cannot consolidate {source}: {name} has state for parameters in no param group: {unknown}")
+    return {
+        "state": {index[param]: per_param[param] for param in names if param in per_param},
+        "param_groups": [{**group, "params": [index[param] for param in group["params"]]} for group in groups],
+    }
+
+
+# --- writing ---------------------------------------------------------------------------------------------
+
+
+def _check_output(target: Path, overwrite: bool) -> None:
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a directory; give the path of the checkpoint file to write")
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True (--overwrite) to replace it")
+
+
+def _save_atomically(checkpoint: dict[str, Any], target: Path, overwrite: bool) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "xb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        _check_output(target, overwrite)  # it may have appeared while we were reading
+        os.replace(partial, target)
+    finally:
+        with suppress(FileNotFoundError):
+            partial.unlink()
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _human_size(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    for exponent, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if size >= 1024**exponent or unit == "KiB":
+            return f"{size / 1024**exponent:.1f} {unit}"
+    raise AssertionError("unreachable")
