@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from integration_tests.conftest import max_relative_difference
+from integration_tests.conftest import max_relative_difference, torchrun
 
 
 def checkpoint_args(directory: Path, runs: str, variant: str = "adamw_scheduler") -> list[str]:
@@ -47,3 +48,29 @@ def test_resume_from_one_rank_on_two_and_from_hybrid_to_full_sharding(run_worker
         checkpoint_args(tmp_path / "four", "fsdp2_replicate2,ddp,fsdp2:fsdp2_replicate2,ddp:ddp"), nproc=4
     )
     assert_matches(four, "fsdp2:fsdp2_replicate2", "ddp:ddp")
+
+
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoints_loadable(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    # Saves: step=2, last, step=4, last, then death inside the save of step=6 (all shards written, not renamed).
+    crashed = torchrun(
+        "integration_tests.crash_worker",
+        ["--checkpoint-dir", str(directory), "--die-in-save", "5", "--out", str(tmp_path / "crashed.json")],
+        nproc=2,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert crashed.returncode != 0
+    visible = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+    assert visible == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    partial = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+    assert len(partial) == 1 and "last" not in partial[0], partial
+
+    torchrun(
+        "integration_tests.crash_worker",
+        ["--checkpoint-dir", str(directory), "--resume", "--out", str(tmp_path / "resumed.json")],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed == {"global_step": 8, "started_at": 4}
