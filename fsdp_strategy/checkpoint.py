@@ -29,6 +29,8 @@ __all__ = [
     "METADATA_FILENAME",
     "is_sharded_checkpoint",
     "load_full",
+    "load_full_weights",
+    "read_full_weights",
     "load_sharded",
     "model_state",
     "optimizer_state",
@@ -150,6 +152,28 @@ def load_full(
     set_model_state_dict(model, checkpoint["state_dict"], options=options)
     for opt, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
         set_optimizer_state_dict(model, opt, _indices_to_names(state, _parameter_names(model, opt)), options=options)
+
+
+def read_full_weights(path: Path) -> dict[str, Any]:
+    """The model weights in a full checkpoint file: a Lightning checkpoint's ``state_dict``, or a plain state dict.
+
+    Memory-mapped, so the file is paged in tensor by tensor as it is broadcast, not read whole.
+    """
+    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ValueError(
+            f"`init_weights` file '{path}' holds no state dict: expected a Lightning checkpoint with a 'state_dict'"
+            " entry or a plain {name: tensor} dict."
+        )
+    return loaded
+
+
+def load_full_weights(model: nn.Module, weights: dict[str, Any], *, strict: bool) -> None:
+    """Fills a sharded model from full weights held by rank 0 only (``{}`` elsewhere): each rank receives its shards."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, weights, options=options)
 
 
 def _parameter_names(model: nn.Module, optimizer: Optimizer) -> list[str]:

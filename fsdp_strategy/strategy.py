@@ -98,6 +98,8 @@ class FSDP2Strategy(ParallelStrategy):
             shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0).
         async_save: write checkpoints in the background while training continues; a new save
             waits for the previous one, and a failed write raises at the next save or at the end.
+        init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
+            plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
         timeout: seconds (or a ``timedelta``) that collectives wait for a peer before failing.
     """
@@ -120,6 +122,7 @@ class FSDP2Strategy(ParallelStrategy):
         meta_init: bool = True,
         state_dict_type: str = "sharded",
         async_save: bool = False,
+        init_weights: str | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800,
     ) -> None:
@@ -163,6 +166,12 @@ class FSDP2Strategy(ParallelStrategy):
                 f"`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got"
                 f" {process_group_backend!r} of type {type(process_group_backend).__name__}."
             )
+        if init_weights is not None:
+            if not isinstance(init_weights, (str, Path)):
+                raise TypeError(f"`init_weights` must be a file path (str) or None; got {init_weights!r}.")
+            if not Path(init_weights).is_file():
+                raise ValueError(f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file.")
+        self._init_weights = None if init_weights is None else Path(init_weights)
         self._timeout = _as_timedelta(timeout)
         self._reshard_after_forward = reshard_after_forward
         self._hybrid = hybrid or (replicate_size or 1) > 1
@@ -376,7 +385,23 @@ class FSDP2Strategy(ParallelStrategy):
                 "Parameter initialization incomplete: these modules were built on the meta device and have no"
                 f" `reset_parameters()` to initialize them: {', '.join(uninitialized)}."
             )
+        if self._init_weights is not None:
+            self._load_init_weights(model)
         self._log_plan(model, units, was_meta)
+
+    def _load_init_weights(self, model: nn.Module) -> None:
+        weights: dict[str, Any] = {}
+        error = None
+        if self.is_global_zero:
+            try:
+                weights = ckpt.read_full_weights(self._init_weights)  # type: ignore[arg-type]
+            except Exception as exc:  # every rank must learn of it, or the others wait in the broadcast
+                error = f"{type(exc).__name__}: {exc}"
+        error = self.broadcast(error)
+        if error is not None:
+            raise ValueError(f"Could not read `init_weights` '{self._init_weights}' on rank 0: {error}")
+        assert self.lightning_module is not None
+        ckpt.load_full_weights(model, weights, strict=self.lightning_module.strict_loading)
 
     def _param_device(self) -> torch.device:
         return torch.device("cpu") if isinstance(self._offload_policy, CPUOffloadPolicy) else self.root_device

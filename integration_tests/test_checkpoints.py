@@ -26,9 +26,12 @@ def test_resume_reshard_and_interop_from_two_ranks(run_worker, tmp_path: Path) -
     assert not list(tmp_path.glob(".partial-*")), "a staging directory was left behind"
 
     # ... resumed to 16 steps on 2 ranks: exact resume, and checkpoints crossing between DDP and FSDP2.
-    same = run_worker(checkpoint_args(tmp_path, "ddp:ddp,fsdp2:fsdp2,fsdp2:fsdp2_async,fsdp2:ddp,ddp:fsdp2_full"), nproc=2)
+    runs = "ddp:ddp,fsdp2:fsdp2,fsdp2:fsdp2_async,fsdp2:ddp,ddp:fsdp2_full,ddp_initw,fsdp2_initw"
+    same = run_worker(checkpoint_args(tmp_path, runs), nproc=2)
     for run in ("fsdp2:fsdp2", "fsdp2:fsdp2_async", "fsdp2:ddp", "ddp:fsdp2_full"):
         assert_matches(same, run, "ddp:ddp")
+    # Full weights read by rank 0 only, then a fresh optimizer: as DDP started from the same weights.
+    assert_matches(same, "fsdp2_initw", "ddp_initw")
     assert len(same["fsdp2:fsdp2/adamw_scheduler"]["losses"]) == 8, "the resumed run must continue from step 8"
 
     # ... resumed on 1 and on 4 ranks, and on a (replicate, shard) = (2, 2) mesh.

@@ -74,9 +74,13 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def make_strategy(name: str, variant: dict) -> str | L.pytorch.strategies.Strategy:
+def make_strategy(name: str, variant: dict, checkpoint_dir: Path | None = None) -> str | L.pytorch.strategies.Strategy:
     if name == "ddp" and variant.get("model") == "gan":
         return "ddp_find_unused_parameters_true"  # the discriminator step leaves the generator unused
+    if name == "fsdp2_initw":  # start from the weights of the DDP run's checkpoint
+        return fsdp_strategy.FSDP2Strategy(init_weights=str(checkpoint_dir / "ddp.ckpt"))
+    if name == "ddp_initw":
+        return "ddp"
     if name == "fsdp2_full":
         return fsdp_strategy.FSDP2Strategy(state_dict_type="full")
     if name == "fsdp2_async":
@@ -109,7 +113,7 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=make_strategy(strategy_name, variant),
+        strategy=make_strategy(strategy_name, variant, checkpoint_dir),
         precision=variant.get("precision", "32-true"),
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
@@ -129,8 +133,10 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
             model = TinyGAN()
         else:
             model = TinyLM(optimizer=variant.get("optimizer", "adamw"), scheduler=variant.get("scheduler", False))
+    if strategy_name == "ddp_initw":
+        model.load_state_dict(torch.load(checkpoint_dir / "ddp.ckpt", weights_only=False)["state_dict"])
     trainer.fit(model, token_loader(), token_loader(), ckpt_path=ckpt_path)
-    if checkpoint_dir is not None and ckpt_path is None:
+    if checkpoint_dir is not None and ckpt_path is None and not strategy_name.endswith("_initw"):
         trainer.save_checkpoint(checkpoint_dir / f"{strategy_name}.ckpt")
         trainer.strategy.barrier()
 

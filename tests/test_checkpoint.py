@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
@@ -137,3 +140,37 @@ def test_load_full_from_a_plain_lightning_checkpoint_with_index_keyed_optimizer_
     train_step(model, optimizer, batch_idx=1)
     for name, param in plain.named_parameters():
         torch.testing.assert_close(full(dict(model.named_parameters())[name]), param, msg=name)
+
+
+def test_init_weights_fills_a_sharded_model_from_a_full_file(trainer_env, tmp_path):
+    import lightning as L
+
+    from fsdp_strategy import FSDP2Strategy
+
+    torch.manual_seed(1)
+    source = TinyLM()
+    torch.save({"state_dict": source.state_dict()}, tmp_path / "weights.ckpt")
+    torch.manual_seed(2)
+    model = TinyLM()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(init_weights=str(tmp_path / "weights.ckpt")),
+        max_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, token_loader())
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name].full_tensor(), tensor), name
+
+
+def test_init_weights_must_be_an_existing_file(tmp_path):
+    from fsdp_strategy import FSDP2Strategy
+
+    missing = tmp_path / "nope.pt"
+    message = f"`init_weights` must name an existing weights file; got '{missing}', which is not a file."
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FSDP2Strategy(init_weights=str(missing))
