@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from fsdp_strategy import integrity
+
 __all__ = [
     "METADATA_FILENAME",
     "is_sharded_checkpoint",
@@ -95,8 +97,8 @@ def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: boo
 
 
 def write_trainer_state(staging: Path, state: dict[str, Any]) -> None:
-    staging.mkdir(parents=True, exist_ok=True)
-    torch.save(state, staging / METADATA_FILENAME)
+    """``meta.pt`` as plain data, so that loading never needs to unpickle arbitrary objects."""
+    integrity.save_trainer_state(staging, state)
 
 
 def publish(staging: Path, path: Path) -> None:
@@ -134,14 +136,21 @@ def remove_path(path: Path) -> None:
 
 
 def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool) -> dict[str, Any]:
-    """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state."""
-    tensors: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state.
+
+    Call :func:`fsdp_strategy.integrity.verify_sharded_checkpoint` first: DCP itself unpickles its
+    metadata without restrictions.
+    """
+    model_state_dict = get_model_state_dict(model)
+    integrity.check_model_matches(path, model_state_dict, strict=strict, metadata=integrity.read_dcp_metadata(path))
+    trainer_state = integrity.load_trainer_state(path)
+    tensors: dict[str, Any] = {MODEL_KEY: model_state_dict}
     tensors.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
     dcp.load(tensors, checkpoint_id=path)
     set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, tensors[f"optimizer_{i}"])
-    return torch.load(path / METADATA_FILENAME, weights_only=False)
+    return trainer_state
 
 
 def load_full(

@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +51,8 @@ class _Summary:
     file_bytes: int
 
     def describe(self) -> str:
-        return f"{self.path}: {self.tensors} tensors, {_human_size(self.tensor_bytes)} of tensor data, file {_human_size(self.file_bytes)}"
+        data, file = _human_size(self.tensor_bytes), _human_size(self.file_bytes)
+        return f"{self.path}: {self.tensors} tensors, {data} of tensor data, file {file}"
 
 
 def consolidate_checkpoint(
@@ -101,12 +102,18 @@ def _consolidate(
     tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
     other_keys = [key for key in metadata.state_dict_metadata if key not in tensor_set]
-    flat: dict[str, Any] = {}
-    flat.update(_read_non_tensors(reader, metadata, source, other_keys))
+    flat: dict[str, Any] = _read_non_tensors(reader, metadata, source, other_keys)
     tensor_bytes = 0
-    for key, tensor in _with_progress(_read_tensors(reader, metadata, source, tensor_keys), len(tensor_keys), progress):
-        flat[key] = tensor
-        tensor_bytes += tensor.numel() * tensor.element_size()
+    bar = _progress_bar(len(tensor_keys)) if progress else None
+    try:
+        for key, tensor in _read_tensors(reader, metadata, source, tensor_keys):
+            flat[key] = tensor
+            tensor_bytes += tensor.numel() * tensor.element_size()
+            if bar is not None:
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()  # ends its line, also on an error, so that the error message gets a line of its own
     # Metadata order is the order in which the state was saved; keep it for the nested dicts.
     flat = {key: flat[key] for key in metadata.state_dict_metadata}
 
@@ -123,19 +130,27 @@ def _open_checkpoint(source: Path) -> tuple[FileSystemReader, Metadata]:
     if not source.exists():
         raise FileNotFoundError(f"checkpoint directory {source} does not exist")
     if not source.is_dir():
-        raise ValueError(f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)")
+        raise ValueError(
+            f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
+        )
     index = source / DCP_METADATA_FILENAME
     if not index.is_file():
-        raise ValueError(f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file (the Distributed Checkpoint index)")
+        raise ValueError(
+            f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file"
+            " (the Distributed Checkpoint index)"
+        )
     if not (source / METADATA_FILENAME).is_file():
-        raise ValueError(f"{source} is not a sharded Lightning checkpoint: it has no {METADATA_FILENAME} file (the trainer state)")
+        raise ValueError(
+            f"{source} is not a sharded Lightning checkpoint: it has no {METADATA_FILENAME} file (the trainer state)"
+        )
     reader = FileSystemReader(source)
     try:
         metadata = reader.read_metadata()
     except Exception as exc:  # unpickling a damaged file raises many kinds of errors
         raise ValueError(f"cannot read {index}: {_one_line(exc)}") from exc
     if not isinstance(metadata, Metadata):
-        raise ValueError(f"cannot read {index}: it holds a {type(metadata).__name__}, not Distributed Checkpoint metadata")
+        kind = type(metadata).__name__
+        raise ValueError(f"cannot read {index}: it holds a {kind}, not Distributed Checkpoint metadata")
     reader.set_up_storage_reader(metadata, True)
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     for name in sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")}):
@@ -170,7 +185,7 @@ def _read_non_tensors(reader: FileSystemReader, metadata: Metadata, source: Path
     for key in keys:
         if not isinstance(metadata.state_dict_metadata[key], BytesStorageMetadata):
             kind = type(metadata.state_dict_metadata[key]).__name__
-            raise ValueError(f"cannot consolidate {source}: entry {key!r} is stored as {kind}, which this reader does not support")
+            raise ValueError(f"cannot consolidate {source}: entry {key!r} is stored as {kind}, which is not supported")
     if not keys:
         return {}
     try:
@@ -179,7 +194,9 @@ def _read_non_tensors(reader: FileSystemReader, metadata: Metadata, source: Path
         raise ValueError(f"cannot read the non-tensor values of {source}: {_one_line(exc)}") from exc
 
 
-def _read_tensors(reader: FileSystemReader, metadata: Metadata, source: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(
+    reader: FileSystemReader, metadata: Metadata, source: Path, keys: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor whole, one read each: its shards from all ranks' files are copied into one new tensor."""
     for key in keys:
         md = metadata.state_dict_metadata[key]
@@ -187,19 +204,19 @@ def _read_tensors(reader: FileSystemReader, metadata: Metadata, source: Path, ke
         tensor = torch.empty(md.size, dtype=md.properties.dtype)
         try:
             _read(reader, metadata, {key: tensor})
+        except MemoryError:
+            raise
         except Exception as exc:
             raise ValueError(f"cannot read tensor {key!r} from {source}: {_one_line(exc)}") from exc
         yield key, tensor
 
 
-def _with_progress(items: Iterable[Any], total: int, enabled: bool) -> Iterable[Any]:
-    if not enabled:
-        return items
+def _progress_bar(total: int) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is an optional dependency: no bar then
-        return items
-    return tqdm(items, total=total, desc="Consolidating", unit="tensor", file=sys.stderr, dynamic_ncols=True)
+        return None
+    return tqdm(total=total, desc="Consolidating", unit="tensor", file=sys.stderr, dynamic_ncols=True)
 
 
 # --- building the Lightning checkpoint ------------------------------------------------------------------
@@ -244,7 +261,8 @@ def _lightning_checkpoint(nested: dict[str, Any], trainer_state: dict[str, Any],
         elif key != MODEL_KEY:
             others[key] = value  # not written by FSDP2Strategy; kept under its own key
     if sorted(optimizers) != list(range(len(optimizers))):
-        raise ValueError(f"cannot consolidate {source}: optimizer entries are not numbered 0..N-1: {sorted(optimizers)}")
+        numbers = sorted(optimizers)
+        raise ValueError(f"cannot consolidate {source}: optimizer entries are not numbered 0..N-1: {numbers}")
     checkpoint = {**trainer_state, **others}
     checkpoint["state_dict"] = nested.get(MODEL_KEY, {})
     checkpoint["optimizer_states"] = [
@@ -259,7 +277,7 @@ def _index_keyed(state: dict[str, Any], name: str, source: Path) -> dict[str, An
     names = [param for group in groups for param in group["params"]]
     index = {param: i for i, param in enumerate(names)}
     if len(index) != len(names):
-        raise ValueError(f"cannot consolidate {source}: {name} lists a parameter in more than one place in its param_groups")
+        raise ValueError(f"cannot consolidate {source}: {name} lists a parameter more than once in its param_groups")
     per_param = state.get("state", {})  # DCP saves nothing for an optimizer that has not stepped yet
     unknown = [param for param in per_param if param not in index]
     if unknown:

@@ -100,10 +100,10 @@ def looks_like_sharded_checkpoint(path: Path) -> bool:
 
 
 def is_half_written(path: Path) -> bool:
-    """A sharded checkpoint directory that lacks ``.metadata`` or ``meta.pt``, as an interrupted save leaves it.
+    """A sharded checkpoint directory that lacks ``.metadata`` or ``meta.pt``: an interrupted save, or a partly deleted one.
 
-    DCP writes ``.metadata`` after all shard files and ``meta.pt`` comes last, so a directory with only
-    some of them was never finished (or was partly deleted).
+    DCP writes ``.metadata`` only after every rank wrote its shard file, so shard files without it were
+    never finished; the trainer state is written separately by rank 0.
     """
     path = Path(path)
     complete = (path / DCP_METADATA_FILENAME).is_file() and (path / TRAINER_STATE_FILENAME).is_file()
@@ -202,7 +202,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
             path, name, f"{not_dcp} (it refers to {error.name}, which DCP metadata never contains; not unpickled)."
         ) from None
     except Exception as error:  # any malformed pickle: UnpicklingError, EOFError, TypeError, ...
-        raise _damaged(path, name, f"{not_dcp} (unreadable pickle data: {error})") from error
+        raise _damaged(path, name, f"{not_dcp} (unreadable pickle data: {_first_line(error).rstrip('.')}).") from error
     if not isinstance(metadata, Metadata):
         kind = type(metadata).__qualname__
         raise _damaged(path, name, f"{not_dcp} (it holds a {kind}, not a {Metadata.__module__}.Metadata).")
@@ -288,13 +288,14 @@ def _check_shard_files(path: Path, metadata: Metadata) -> None:
 
 def _check_byte_entries(path: Path, metadata: Metadata) -> None:
     """Reads the non-tensor entries of the shards as plain data; DCP itself unpickles them unrestricted."""
-    by_index = {index: (relative, offset, length, transforms) for index, relative, offset, length, transforms in _storage_items(path, metadata)}
+    by_index = {entry[0]: entry[1:] for entry in _storage_items(path, metadata)}
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, BytesStorageMetadata):
             continue
         entry = by_index.get(MetadataIndex(fqn))
         if entry is None:
-            raise _damaged(path, DCP_METADATA_FILENAME, f"'{DCP_METADATA_FILENAME}' lists '{fqn}' but not where it is stored.")
+            detail = f"'{DCP_METADATA_FILENAME}' lists '{fqn}' but not where it is stored."
+            raise _damaged(path, DCP_METADATA_FILENAME, detail)
         relative, offset, length, transforms = entry
         if transforms:
             raise _refused(
@@ -317,9 +318,8 @@ def _check_byte_entries(path: Path, metadata: Metadata) -> None:
                 " unpickled, since unpickling them can run arbitrary code.",
             ) from None
         except Exception as error:
-            raise _damaged(
-                path, relative, f"shard file '{relative}' holds an unreadable entry '{fqn}' ({type(error).__name__}: {error})."
-            ) from error
+            detail = f"shard file '{relative}' holds an unreadable entry '{fqn}' ({type(error).__name__}: {_first_line(error)})."
+            raise _damaged(path, relative, detail) from error
 
 
 # --- meta.pt: the trainer state as plain data -----------------------------------------------------
@@ -344,7 +344,8 @@ def _type_name(value: Any) -> str:
 def _is_lightning_attribute_dict(value: Any) -> bool:
     kind = type(value)
     top = kind.__module__.split(".")[0]
-    return isinstance(value, dict) and kind.__name__ == "AttributeDict" and top in ("lightning", "lightning_fabric", "pytorch_lightning")
+    lightning = top in ("lightning", "lightning_fabric", "pytorch_lightning")
+    return isinstance(value, dict) and kind.__name__ == "AttributeDict" and lightning
 
 
 def _hint(where: str, value: Any) -> str:
@@ -421,6 +422,7 @@ def save_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
     """
     path = Path(path)
     plain = to_plain_trainer_state(state, checkpoint=path)
+    path.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(plain, buffer)
     data = buffer.getvalue()
@@ -463,7 +465,8 @@ def load_trainer_state(path: Path, *, map_location: Any = "cpu", trusted: bool =
     if size == 0:
         raise _damaged(path, name, f"'{name}' is empty (0 bytes).")
     if not zipfile.is_zipfile(file):
-        raise _damaged(path, name, f"'{name}' is truncated or not written by torch.save (no complete archive in its {size} bytes).")
+        detail = f"'{name}' is truncated or not written by torch.save (no complete archive in its {size} bytes)."
+        raise _damaged(path, name, detail)
     try:
         state = torch.load(file, map_location=map_location, weights_only=not trusted)
     except pickle.UnpicklingError as error:

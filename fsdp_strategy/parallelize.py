@@ -77,7 +77,7 @@ def plan_units(
     if wrap_policy is not None:
         covered = {id(p) for name in chosen for p in model.get_submodule(name).parameters()}
         covered |= {id(p) for name in user_sharded for p in model.get_submodule(name).parameters()}
-        for name, child in model.named_children():
+        for name, child in _callable_children(model):
             if name not in chosen and eligible(name, child) and any(id(p) not in covered for p in child.parameters()):
                 chosen[name] = mp_policy
 
@@ -172,6 +172,18 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str
             uninitialized.add(class_name(module))
         initialized |= tensors
     return sorted(uninitialized)
+
+
+def _callable_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Direct children, looking through containers that have no forward of their own (ModuleList, ModuleDict)."""
+    children = []
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            children += _callable_children(child, qualified + ".")
+        else:
+            children.append((qualified, child))
+    return children
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:

@@ -220,3 +220,30 @@ def test_full_state_dict_checkpoint_is_one_lightning_file_that_resumes(trainer_e
     assert start.global_step == 2
     assert all(torch.equal(start.params[name], saved_params[name]) for name in saved_params)
     assert second.global_step == 3
+
+
+def test_resuming_from_a_damaged_or_foreign_checkpoint_names_the_problem(trainer_env, tmp_path):
+    from fsdp_strategy.integrity import CheckpointError
+
+    first = trainer(tmp_path, max_steps=1)
+    first.fit(TinyLM(), loader())
+    path = tmp_path / "saved.ckpt"
+    first.save_checkpoint(path)
+
+    trainer_env.fresh()
+    foreign = trainer(tmp_path, max_steps=2)
+    with pytest.raises(CheckpointError, match=re.escape(f"Checkpoint '{path}'")) as foreign_error:
+        foreign.fit(TinyLM(n_layer=4), loader(), ckpt_path=path)
+    assert "blocks.3" in str(foreign_error.value)
+
+    trainer_env.fresh()
+    (path / "__0_0.distcp").unlink()
+    damaged = trainer(tmp_path, max_steps=2)
+    with pytest.raises(CheckpointError, match=re.escape("shard file '__0_0.distcp' is missing")):
+        damaged.fit(TinyLM(), loader(), ckpt_path=path)
+
+
+def test_a_single_block_in_a_module_list_is_sharded_through_the_container(trainer_env, tmp_path):
+    model = TinyLM(n_layer=1)
+    trainer(tmp_path, max_steps=1).fit(model, loader())
+    assert isinstance(model.blocks[0], FSDPModule)
