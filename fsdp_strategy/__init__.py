@@ -6,11 +6,20 @@ Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_o
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from fsdp_strategy.consolidate import consolidate_checkpoint
+from fsdp_strategy.integrity import CheckpointError
 from fsdp_strategy.policy import PolicyInput
 from fsdp_strategy.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.strategy import FSDP2Strategy
 
-__all__ = ["SUPPORTED_PRECISIONS", "FSDP2Strategy", "PolicyInput", "__version__"]
+__all__ = [
+    "SUPPORTED_PRECISIONS",
+    "CheckpointError",
+    "FSDP2Strategy",
+    "PolicyInput",
+    "__version__",
+    "consolidate_checkpoint",
+]
 __version__ = "0.1.0"
 
 FSDP2Strategy.register_strategies(StrategyRegistry)

@@ -14,10 +14,18 @@ accept with any strategy:
 Tensors are read one at a time, each whole (all of its shards) straight into the tensor that is kept,
 so the process holds what it has collected so far plus a single tensor in flight: about one copy of
 the model and optimizer state, never two.
+
+Like loading in the strategy, nothing runs code stored in the checkpoint: the directory is first
+checked by :func:`fsdp_strategy.integrity.verify_sharded_checkpoint`, ``.metadata`` is read with its
+restricted unpickler, and the non-tensor entries and ``meta.pt`` with ``torch.load(weights_only=True)``.
+The file written holds plain data only, so it loads with ``torch.load(weights_only=True)`` too.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import math
 import os
 import re
 import sys
@@ -32,12 +40,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 
-from fsdp_strategy.checkpoint import METADATA_FILENAME, MODEL_KEY
+from fsdp_strategy import integrity
+from fsdp_strategy.checkpoint import MODEL_KEY
+from fsdp_strategy.integrity import DCP_METADATA_FILENAME, TRAINER_STATE_FILENAME
 
 __all__ = ["consolidate_checkpoint"]
 
-DCP_METADATA_FILENAME = ".metadata"
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 
 
@@ -78,8 +88,10 @@ def consolidate_checkpoint(
 
     Raises:
         FileNotFoundError: ``checkpoint_dir`` does not exist.
-        ValueError: ``checkpoint_dir`` is not a readable sharded checkpoint (no ``.metadata``, no
-            ``meta.pt``, a missing shard file, or unreadable contents).
+        ValueError: ``checkpoint_dir`` is not a sharded checkpoint (not a directory, no ``.metadata`` or
+            no ``meta.pt``); or :class:`fsdp_strategy.integrity.CheckpointError` (a ``ValueError``): it is
+            damaged (a missing or truncated shard file, unreadable contents) or holds objects that are
+            not plain data.
         FileExistsError: ``output_file`` exists and ``overwrite`` is false.
         IsADirectoryError: ``output_file`` is a directory.
     """
@@ -97,16 +109,19 @@ def _consolidate(
     source, target = Path(checkpoint_dir), Path(output_file)
     reader, metadata = _open_checkpoint(source)
     _check_output(target, overwrite)
-    trainer_state = _load_trainer_state(source)
+    trainer_state = integrity.load_trainer_state(source)
 
     tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
     other_keys = [key for key in metadata.state_dict_metadata if key not in tensor_set]
     flat: dict[str, Any] = _read_non_tensors(reader, metadata, source, other_keys)
     tensor_bytes = 0
+    # Largest first: the memory a read needs besides its result (a shard's buffer) is then largest while
+    # little has been collected yet, and the peak stays close to the sum of the results.
+    read_order = sorted(tensor_keys, key=lambda key: -_nbytes(metadata.state_dict_metadata[key]))
     bar = _progress_bar(len(tensor_keys)) if progress else None
     try:
-        for key, tensor in _read_tensors(reader, metadata, source, tensor_keys):
+        for key, tensor in _read_tensors(reader, metadata, source, read_order):
             flat[key] = tensor
             tensor_bytes += tensor.numel() * tensor.element_size()
             if bar is not None:
@@ -139,40 +154,32 @@ def _open_checkpoint(source: Path) -> tuple[FileSystemReader, Metadata]:
             f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file"
             " (the Distributed Checkpoint index)"
         )
-    if not (source / METADATA_FILENAME).is_file():
+    if not (source / TRAINER_STATE_FILENAME).is_file():
         raise ValueError(
-            f"{source} is not a sharded Lightning checkpoint: it has no {METADATA_FILENAME} file (the trainer state)"
+            f"{source} is not a sharded Lightning checkpoint: it has no {TRAINER_STATE_FILENAME} file"
+            " (the trainer state)"
         )
+    # Shard files present and long enough, non-tensor entries and meta.pt plain data: CheckpointError otherwise.
+    integrity.verify_sharded_checkpoint(source)
+    metadata = integrity.read_dcp_metadata(source)  # not FileSystemReader.read_metadata(): that is pickle.load
     reader = FileSystemReader(source)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:  # unpickling a damaged file raises many kinds of errors
-        raise ValueError(f"cannot read {index}: {_one_line(exc)}") from exc
-    if not isinstance(metadata, Metadata):
-        kind = type(metadata).__name__
-        raise ValueError(f"cannot read {index}: it holds a {kind}, not Distributed Checkpoint metadata")
     reader.set_up_storage_reader(metadata, True)
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    for name in sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")}):
-        if not (source / name).is_file():
-            raise ValueError(f"{source} is incomplete: shard file {name} listed in {DCP_METADATA_FILENAME} is missing")
     return reader, metadata
 
 
-def _load_trainer_state(source: Path) -> dict[str, Any]:
-    path = source / METADATA_FILENAME
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)  # trainer state holds arbitrary objects
-    except Exception as exc:
-        raise ValueError(f"cannot read {path}: {_one_line(exc)}") from exc
-    if not isinstance(state, dict):
-        raise ValueError(f"cannot read {path}: it holds a {type(state).__name__}, not a dict")
-    return state
+class _PlainDataPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor entries are read as plain data (it uses ``weights_only=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=True)
 
 
 def _read(reader: FileSystemReader, metadata: Metadata, entries: dict[str, Any]) -> dict[str, Any]:
     """One DCP read of ``entries`` (flat keys of the checkpoint): tensors are filled in place, other values replaced."""
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = _PlainDataPlanner()
     planner.set_up_planner(entries, metadata, True)
     plans = planner.create_global_plan([reader.prepare_local_plan(planner.create_local_plan())])
     plan = planner.finish_plan(reader.prepare_global_plan(plans)[0])
@@ -208,7 +215,36 @@ def _read_tensors(
             raise
         except Exception as exc:
             raise ValueError(f"cannot read tensor {key!r} from {source}: {_one_line(exc)}") from exc
+        if tensor.numel() * tensor.element_size() >= _TRIM_AFTER_BYTES:
+            _release_freed_memory()
         yield key, tensor
+
+
+# Each read loads the tensor's shards into buffers of their own before copying them into the tensor that
+# is kept. glibc serves buffers below its mmap threshold (which grows up to 32 MiB) from the heap, and the
+# freed ones stay resident as holes between the tensors kept: 11% of the state on top of it for a
+# 100M-parameter model with AdamW saved by 2 ranks, 0.4% with malloc_trim(0), which hands those pages back.
+_TRIM_AFTER_BYTES = 2**20
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only; musl has none
+    except (OSError, AttributeError):
+        return None
+
+
+def _release_freed_memory() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _nbytes(md: Any) -> int:
+    return math.prod(md.size) * md.properties.dtype.itemsize
 
 
 def _progress_bar(total: int) -> Any:
@@ -281,7 +317,8 @@ def _index_keyed(state: dict[str, Any], name: str, source: Path) -> dict[str, An
     per_param = state.get("state", {})  # DCP saves nothing for an optimizer that has not stepped yet
     unknown = [param for param in per_param if param not in index]
     if unknown:
-        raise ValueError(f"cannot consolidate {source}: {name} has state for parameters in no param group: {unknown}")
+        shown = ", ".join(repr(param) for param in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise ValueError(f"cannot consolidate {source}: {name} has state for parameters in no param group: {shown}")
     return {
         "state": {index[param]: per_param[param] for param in names if param in per_param},
         "param_groups": [{**group, "params": [index[param] for param in group["params"]]} for group in groups],

@@ -247,3 +247,23 @@ def test_a_single_block_in_a_module_list_is_sharded_through_the_container(traine
     model = TinyLM(n_layer=1)
     trainer(tmp_path, max_steps=1).fit(model, loader())
     assert isinstance(model.blocks[0], FSDPModule)
+
+
+def test_lightnings_own_consolidation_tool_reads_a_sharded_checkpoint(trainer_env, tmp_path):
+    import subprocess
+    import sys
+
+    model = TinyLM()
+    first = trainer(tmp_path, max_steps=1)
+    first.fit(model, loader())
+    path = tmp_path / "sharded.ckpt"
+    first.save_checkpoint(path)
+    out = tmp_path / "lightning_consolidated.ckpt"
+    subprocess.run(
+        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(path), "--output_file", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    state_dict = torch.load(out, weights_only=True)["state_dict"]
+    for name, param in model.named_parameters():
+        assert torch.equal(state_dict[name], full(param)), name
