@@ -4,6 +4,7 @@ sharded and full checkpoint save and resume. A few steps each; the real multi-pr
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import re
 import warnings
 
@@ -21,6 +22,7 @@ from integration_tests.models import VOCAB, WIDTH, Block, TinyLM, token_loader
 
 def trainer(tmp_path, **kwargs) -> L.Trainer:
     kwargs.setdefault("strategy", "fsdp2")
+    kwargs.setdefault("enable_checkpointing", False)
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -28,7 +30,6 @@ def trainer(tmp_path, **kwargs) -> L.Trainer:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
         limit_val_batches=2,
         **kwargs,
@@ -267,3 +268,18 @@ def test_lightnings_own_consolidation_tool_reads_a_sharded_checkpoint(trainer_en
     state_dict = torch.load(out, weights_only=True)["state_dict"]
     for name, param in model.named_parameters():
         assert torch.equal(state_dict[name], full(param)), name
+
+
+def test_model_checkpoint_top_k_and_last_manage_checkpoint_directories(trainer_env, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    directory = tmp_path / "checkpoints"
+    checkpoints = ModelCheckpoint(
+        dirpath=directory, monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=True
+    )
+    run = trainer(tmp_path, max_steps=5, callbacks=[checkpoints], enable_checkpointing=True)
+    run.fit(TinyLM(), loader())
+    kept = sorted(p.name for p in directory.iterdir())
+    assert len(kept) == 3 and "last.ckpt" in kept, kept
+    assert all(is_sharded_checkpoint(directory / name) for name in kept)
+    assert {Path(p).name for p in checkpoints.best_k_models} == set(kept) - {"last.ckpt"}
