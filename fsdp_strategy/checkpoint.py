@@ -31,6 +31,7 @@ __all__ = [
     "METADATA_FILENAME",
     "is_sharded_checkpoint",
     "load_full",
+    "read_full_checkpoint",
     "load_full_weights",
     "read_full_weights",
     "load_sharded",
@@ -153,10 +154,39 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
     return trainer_state
 
 
+def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+    """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.integrity.CheckpointError`."""
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as exc:
+        raise integrity.CheckpointError(
+            f"Checkpoint '{path}' is damaged: '{path.name}' is not a complete checkpoint file (truncated, or not"
+            f" written by torch.save): {type(exc).__name__}.",
+            checkpoint=path,
+            file=path.name,
+        ) from exc
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise integrity.CheckpointError(
+            f"Checkpoint '{path}' is not a Lightning checkpoint: '{path.name}' has no 'state_dict' entry.",
+            checkpoint=path,
+            file=path.name,
+        )
+    return checkpoint
+
+
 def load_full(
-    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool
+    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, path: Path
 ) -> None:
     """Loads a single-file Lightning checkpoint (from DDP, one device, or ``state_dict_type="full"``)."""
+    integrity.compare_keys(
+        integrity.state_dict_shapes(get_model_state_dict(model)),
+        integrity.state_dict_shapes(checkpoint["state_dict"]),
+        checkpoint=path,
+        strict=strict,
+        file=path.name,
+    )
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint["state_dict"], options=options)
     for opt, state in zip(optimizers, checkpoint.get("optimizer_states", [])):

@@ -534,6 +534,7 @@ def compare_keys(
     checkpoint: Path,
     limit: int = 5,
     strict: bool = True,
+    file: str = DCP_METADATA_FILENAME,
 ) -> None:
     """Raises :class:`CheckpointError` if the checkpoint's entries (``found``) do not fit the model's (``expected``).
 
@@ -559,10 +560,10 @@ def compare_keys(
         more = f" and {len(mismatched) - limit} more" if len(mismatched) > limit else ""
         parts.append(f"{_plural(len(mismatched), 'shape mismatch')} (model vs checkpoint): {shown}{more}")
     raise CheckpointError(
-        f"Checkpoint '{checkpoint}' was saved from a different model (as its '{DCP_METADATA_FILENAME}' lists the"
+        f"Checkpoint '{checkpoint}' was saved from a different model (as its '{file}' lists the"
         f" saved tensors): {'; '.join(parts)}.",
         checkpoint=Path(checkpoint),
-        file=DCP_METADATA_FILENAME,
+        file=file,
     )
 
 

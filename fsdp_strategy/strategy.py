@@ -587,8 +587,8 @@ class FSDP2Strategy(ParallelStrategy):
             if error is not None:
                 raise ckpt.integrity.CheckpointError(error)
             return ckpt.load_sharded(path, self.model, optimizers, strict=strict)
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        ckpt.load_full(checkpoint, self.model, optimizers, strict=strict)
+        checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)
         return checkpoint
 
     @override

@@ -115,12 +115,12 @@ def test_load_full_from_a_plain_lightning_checkpoint_with_index_keyed_optimizer_
         {"state_dict": plain.state_dict(), "optimizer_states": [plain_optimizer.state_dict()], "global_step": 1},
         tmp_path / "plain.ckpt",
     )
-    checkpoint = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    checkpoint = ckpt.read_full_checkpoint(tmp_path / "plain.ckpt", weights_only=True)
     assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(list(plain.parameters()))))
 
     model = sharded_tinylm(mesh, seed=1)
     optimizer = adamw(model)
-    ckpt.load_full(checkpoint, model, [optimizer], strict=True)
+    ckpt.load_full(checkpoint, model, [optimizer], strict=True, path=tmp_path / "plain.ckpt")
 
     assert_states_equal(full_params(model), {name: p.detach() for name, p in plain.named_parameters()})
     assert_states_equal(optimizer_state_by_name(model, optimizer), optimizer_state_by_name(plain, plain_optimizer))
@@ -174,3 +174,40 @@ def test_init_weights_must_be_an_existing_file(tmp_path):
     message = f"`init_weights` must name an existing weights file; got '{missing}', which is not a file."
     with pytest.raises(ValueError, match=re.escape(message)):
         FSDP2Strategy(init_weights=str(missing))
+
+
+def test_a_truncated_full_checkpoint_file_is_named_without_the_zip_readers_message(tmp_path):
+    from fsdp_strategy.integrity import CheckpointError
+
+    path = tmp_path / "model.ckpt"
+    torch.save({"state_dict": TinyLM().state_dict()}, path)
+    path.write_bytes(path.read_bytes()[:1000])
+    message = (
+        f"Checkpoint '{path}' is damaged: 'model.ckpt' is not a complete checkpoint file (truncated, or not"
+        " written by torch.save): RuntimeError."
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ckpt.read_full_checkpoint(path, weights_only=True)
+
+
+def test_a_full_checkpoint_without_a_state_dict_or_missing_is_named(tmp_path):
+    from fsdp_strategy.integrity import CheckpointError
+
+    path = tmp_path / "weights.pt"
+    torch.save({"weights": torch.zeros(1)}, path)
+    message = f"Checkpoint '{path}' is not a Lightning checkpoint: 'weights.pt' has no 'state_dict' entry."
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ckpt.read_full_checkpoint(path, weights_only=True)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"Checkpoint '{tmp_path / 'nope.ckpt'}' does not exist.")):
+        ckpt.read_full_checkpoint(tmp_path / "nope.ckpt", weights_only=True)
+
+
+def test_a_full_checkpoint_of_another_model_names_the_mismatching_keys(mesh, tmp_path):
+    from fsdp_strategy.integrity import CheckpointError
+
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": TinyLM(n_layer=4).state_dict()}, path)
+    model = sharded_tinylm(mesh, seed=1)
+    with pytest.raises(CheckpointError, match=re.escape(f"Checkpoint '{path}' was saved from a different model")) as error:
+        ckpt.load_full(ckpt.read_full_checkpoint(path, weights_only=True), model, [], strict=True, path=path)
+    assert "unexpected key" in str(error.value) and "blocks.3." in str(error.value)
