@@ -8,6 +8,7 @@ optimizers under ``"optimizer_0"``, ..., trainer state in ``meta.pt``), so
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -160,6 +161,13 @@ def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, 
         raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        raise integrity.CheckpointError(
+            f"Checkpoint '{path}' is refused: '{path.name}' contains objects that are not plain data, so it was not"
+            " unpickled. If you trust this file, pass `trainer.fit(..., weights_only=False)`.",
+            checkpoint=path,
+            file=path.name,
+        ) from exc
     except Exception as exc:
         raise integrity.CheckpointError(
             f"Checkpoint '{path}' is damaged: '{path.name}' is not a complete checkpoint file (truncated, or not"

@@ -211,3 +211,21 @@ def test_a_full_checkpoint_of_another_model_names_the_mismatching_keys(mesh, tmp
     with pytest.raises(CheckpointError, match=re.escape(f"Checkpoint '{path}' was saved from a different model")) as error:
         ckpt.load_full(ckpt.read_full_checkpoint(path, weights_only=True), model, [], strict=True, path=path)
     assert "unexpected key" in str(error.value) and "blocks.3." in str(error.value)
+
+
+class NotPlainData:
+    pass
+
+
+def test_a_full_checkpoint_with_objects_is_refused_under_weights_only(tmp_path):
+    from fsdp_strategy.integrity import CheckpointError
+
+    path = tmp_path / "objects.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"thing": NotPlainData()}}, path)
+    message = (
+        f"Checkpoint '{path}' is refused: 'objects.ckpt' contains objects that are not plain data, so it was not"
+        " unpickled. If you trust this file, pass `trainer.fit(..., weights_only=False)`."
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ckpt.read_full_checkpoint(path, weights_only=True)
+    assert ckpt.read_full_checkpoint(path, weights_only=False)["hyper_parameters"]["thing"].__class__ is NotPlainData
