@@ -55,11 +55,11 @@ def plan_units(
 ) -> list[ShardedUnit]:
     """The units to shard inside ``model`` (the root is not included), children before parents.
 
-    Beyond the policy's blocks: normalization layers under mixed precision (kept in fp32), and
-    each remaining direct child that owns parameters, so a module used several times in one step
-    (a GAN's discriminator) gathers its freshly updated shards on every call. A module whose
-    parameters are shared with a module outside it (tied embeddings) is left to its parent, since
-    one parameter can belong to one unit only. Subtrees the user already sharded stay as they are.
+    Beyond the policy's blocks: normalization layers under mixed precision (kept in fp32). Everything
+    else belongs to the root; small modules of their own (embeddings, a final norm) would each cost a
+    collective per step for little memory. A module whose parameters are shared with a module outside
+    it (tied embeddings) is left to its parent, since one parameter can belong to one unit only.
+    Subtrees the user already sharded stay as they are.
     """
     named = list(model.named_modules())
     user_sharded = [name for name, module in named[1:] if isinstance(module, FSDPModule)]
@@ -74,12 +74,6 @@ def plan_units(
         chosen.update((name, mp_policy) for name, module in select_modules(model, wrap_policy) if eligible(name, module))
     if keep_norms_fp32:
         chosen.update((name, FULL_PRECISION_POLICY) for name, module in named[1:] if is_normalization(module) and eligible(name, module))
-    if wrap_policy is not None:
-        covered = {id(p) for name in chosen for p in model.get_submodule(name).parameters()}
-        covered |= {id(p) for name in user_sharded for p in model.get_submodule(name).parameters()}
-        for name, child in _callable_children(model):
-            if name not in chosen and eligible(name, child) and any(id(p) not in covered for p in child.parameters()):
-                chosen[name] = mp_policy
 
     units = []
     for name, module in reversed(named[1:]):  # post-order: fully_shard must see inner units first
@@ -172,18 +166,6 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str
             uninitialized.add(class_name(module))
         initialized |= tensors
     return sorted(uninitialized)
-
-
-def _callable_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Direct children, looking through containers that have no forward of their own (ModuleList, ModuleDict)."""
-    children = []
-    for name, child in module.named_children():
-        qualified = f"{prefix}{name}"
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            children += _callable_children(child, qualified + ".")
-        else:
-            children.append((qualified, child))
-    return children
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:

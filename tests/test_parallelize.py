@@ -73,11 +73,11 @@ def test_unit_parameter_counts_exclude_nested_units_and_leave_the_rest_to_the_ro
     assert sum(by_name.values()) + root_only == sum(p.numel() for p in model.parameters())
 
 
-def test_plan_without_mixed_precision_makes_leftover_direct_children_units():
+def test_plan_without_mixed_precision_has_only_the_blocks_and_leaves_the_rest_to_the_root():
     model = TinyLM()
     units = plan_units(model, auto(), mp_policy=FP32, keep_norms_fp32=False)
     names = [unit.name for unit in units]
-    assert sorted(names) == sorted(["norm", *(f"blocks.{i}" for i in range(len(model.blocks)))])
+    assert names == [f"blocks.{i}" for i in reversed(range(len(model.blocks)))]
     assert all(unit.mp_policy is FP32 for unit in units)
 
 
@@ -90,11 +90,11 @@ def test_tied_embedding_and_head_are_never_units_even_when_selected():
     assert "blocks.0.attn_q" in names  # untied Linears are still selected
 
 
-def test_leftover_children_with_uncovered_parameters_become_units_post_order():
+def test_units_are_planned_post_order_with_their_own_parameter_counts():
     model = TinyGAN()
-    policy = normalize_policy(lambda name, module: name == "generator.0", option="wrap_policy")
+    policy = normalize_policy(lambda name, module: name in ("generator", "generator.0"), option="wrap_policy")
     units = plan_units(model, policy, mp_policy=FP32, keep_norms_fp32=False)
-    assert [unit.name for unit in units] == ["discriminator", "generator.0", "generator"]
+    assert [unit.name for unit in units] == ["generator.0", "generator"]
     generator = {unit.name: unit.num_params for unit in units}["generator"]
     assert generator == sum(p.numel() for p in model.generator[2].parameters())
 

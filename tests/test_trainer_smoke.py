@@ -244,10 +244,11 @@ def test_resuming_from_a_damaged_or_foreign_checkpoint_names_the_problem(trainer
         damaged.fit(TinyLM(), loader(), ckpt_path=path)
 
 
-def test_a_single_block_in_a_module_list_is_sharded_through_the_container(trainer_env, tmp_path):
+def test_a_model_without_repeated_blocks_trains_with_everything_in_the_root(trainer_env, tmp_path):
     model = TinyLM(n_layer=1)
     trainer(tmp_path, max_steps=1).fit(model, loader())
-    assert isinstance(model.blocks[0], FSDPModule)
+    assert isinstance(model, FSDPModule) and not isinstance(model.blocks[0], FSDPModule)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
 def test_lightnings_own_consolidation_tool_reads_a_sharded_checkpoint(trainer_env, tmp_path):
