@@ -23,7 +23,9 @@ fetched: ``on_train_batch_start`` in Lightning, the top of the loop body in the 
 distance between two consecutive starts, so it includes everything the loop does per step (data fetch, hooks,
 forward, backward, optimizer step, zero_grad). FSDP's collectives keep the two ranks in lock step; on CPU there
 is no asynchronous device work to synchronize. The first ``--warmup`` steps are not timed. The time from a
-batch's start to its end (``on_train_batch_end``) is reported too, as ``inner``.
+batch's start to its end (``on_train_batch_end``) is reported too, as ``inner``, and so is the CPU time rank 0's
+process used per step (``time.process_time()`` between the same points, all threads), which a shared machine's
+load disturbs much less than wall time.
 
 The script appends one JSON line to ``--out`` (rank 0) and prints it.
 """
@@ -100,21 +102,31 @@ def model_kwargs(args: argparse.Namespace) -> dict:
 
 
 class StepClock:
+    """Wall time (``perf_counter``) and this process's CPU time (``process_time``, all its threads) at each
+    batch start and end. On an oversubscribed machine the CPU time a step consumes moves much less with other
+    jobs' load than its wall time does, so both are reported."""
+
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.cpu_starts: list[float] = []
+        self.cpu_ends: list[float] = []
         self.losses: list[float] = []
 
     def start(self) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
 
     def end(self, loss: float) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
         self.losses.append(loss)
 
     def summary(self, warmup: int, steps: int) -> dict:
-        periods = [self.starts[i + 1] - self.starts[i] for i in range(warmup, warmup + steps)]
-        inner = [self.ends[i] - self.starts[i] for i in range(warmup, warmup + steps)]
+        timed = range(warmup, warmup + steps)
+        periods = [self.starts[i + 1] - self.starts[i] for i in timed]
+        inner = [self.ends[i] - self.starts[i] for i in timed]
+        cpu = [self.cpu_starts[i + 1] - self.cpu_starts[i] for i in timed]
         q = statistics.quantiles(periods, n=10)
         return {
             "median_s": statistics.median(periods),
@@ -123,7 +135,9 @@ class StepClock:
             "p90_s": q[-1],
             "min_s": min(periods),
             "median_inner_s": statistics.median(inner),
+            "median_cpu_s": statistics.median(cpu),
             "step_times_s": periods,
+            "step_cpu_s": cpu,
             "loss_first": self.losses[0],
             "loss_last_timed": self.losses[warmup + steps - 1],
         }
@@ -299,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
             f.write(line + "\n")
-    brief = {k: v for k, v in record.items() if k != "step_times_s"}
+    brief = {k: v for k, v in record.items() if k not in ("step_times_s", "step_cpu_s")}
     print("[step_time] " + json.dumps(brief), flush=True)
     return record
 
