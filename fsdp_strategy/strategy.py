@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
+from fsdp_strategy import integrity
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
     apply_activation_checkpointing,
@@ -535,7 +536,7 @@ class FSDP2Strategy(ParallelStrategy):
             return
         staging = ckpt.staging_path(path, token)
         # Refuse trainer state that is not plain data on every rank, before any rank starts writing.
-        ckpt.integrity.to_plain_trainer_state(ckpt.split_checkpoint(checkpoint)[1], checkpoint=path)
+        integrity.to_plain_trainer_state(ckpt.split_checkpoint(checkpoint)[1], checkpoint=path)
         if not self._async_save:
             ckpt.save_sharded(staging, checkpoint, is_rank_zero=self.is_global_zero)
             if self.is_global_zero:
@@ -575,17 +576,17 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
-        if path.is_dir() and ckpt.integrity.looks_like_sharded_checkpoint(path):
+        if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
             # Rank 0 checks every file before any rank unpickles or reads one.
             error = None
             if self.is_global_zero:
                 try:
-                    ckpt.integrity.verify_sharded_checkpoint(path)
-                except ckpt.integrity.CheckpointError as exc:
+                    integrity.verify_sharded_checkpoint(path)
+                except integrity.CheckpointError as exc:
                     error = str(exc)
             error = self.broadcast(error)
             if error is not None:
-                raise ckpt.integrity.CheckpointError(error)
+                raise integrity.CheckpointError(error)
             return ckpt.load_sharded(path, self.model, optimizers, strict=strict)
         checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
         ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)
