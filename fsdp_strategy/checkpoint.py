@@ -157,10 +157,22 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
 
 def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
     """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.integrity.CheckpointError`."""
+    checkpoint = _load_file(path, weights_only=weights_only)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise integrity.CheckpointError(
+            f"Checkpoint '{path}' is not a Lightning checkpoint: '{path.name}' has no 'state_dict' entry.",
+            checkpoint=path,
+            file=path.name,
+        )
+    return checkpoint
+
+
+def _load_file(path: Path, *, weights_only: bool | None) -> Any:
+    """``torch.load`` of one checkpoint file, memory-mapped, with damaged and untrusted files named."""
     if not path.is_file():
         raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         raise integrity.CheckpointError(
             f"Checkpoint '{path}' is refused: '{path.name}' contains objects that are not plain data, so it was not"
@@ -175,13 +187,6 @@ def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, 
             checkpoint=path,
             file=path.name,
         ) from exc
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise integrity.CheckpointError(
-            f"Checkpoint '{path}' is not a Lightning checkpoint: '{path.name}' has no 'state_dict' entry.",
-            checkpoint=path,
-            file=path.name,
-        )
-    return checkpoint
 
 
 def load_full(
@@ -206,7 +211,7 @@ def read_full_weights(path: Path) -> dict[str, Any]:
 
     Memory-mapped, so the file is paged in tensor by tensor as it is broadcast, not read whole.
     """
-    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    loaded = _load_file(path, weights_only=True)
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import uuid
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -391,18 +391,26 @@ class FSDP2Strategy(ParallelStrategy):
         self._log_plan(model, units, was_meta)
 
     def _load_init_weights(self, model: nn.Module) -> None:
-        weights: dict[str, Any] = {}
-        error = None
+        weights = self._on_rank_zero(
+            lambda: ckpt.read_full_weights(self._init_weights),  # type: ignore[arg-type]
+            lambda message: ValueError(f"Could not read `init_weights` '{self._init_weights}' on rank 0: {message}"),
+        )
+        assert self.lightning_module is not None
+        ckpt.load_full_weights(model, weights or {}, strict=self.lightning_module.strict_loading)
+
+    def _on_rank_zero(self, action: Callable[[], Any], error: Callable[[str], Exception]) -> Any:
+        """Runs ``action`` on rank 0 only (``None`` elsewhere). If it fails, every rank raises
+        ``error(message)``: the others would otherwise wait for rank 0 in the next collective."""
+        result, message = None, None
         if self.is_global_zero:
             try:
-                weights = ckpt.read_full_weights(self._init_weights)  # type: ignore[arg-type]
-            except Exception as exc:  # every rank must learn of it, or the others wait in the broadcast
-                error = f"{type(exc).__name__}: {exc}"
-        error = self.broadcast(error)
-        if error is not None:
-            raise ValueError(f"Could not read `init_weights` '{self._init_weights}' on rank 0: {error}")
-        assert self.lightning_module is not None
-        ckpt.load_full_weights(model, weights, strict=self.lightning_module.strict_loading)
+                result = action()
+            except Exception as exc:
+                message = str(exc)
+        message = self.broadcast(message)
+        if message is not None:
+            raise error(message)
+        return result
 
     def _param_device(self) -> torch.device:
         return torch.device("cpu") if isinstance(self._offload_policy, CPUOffloadPolicy) else self.root_device
@@ -578,15 +586,7 @@ class FSDP2Strategy(ParallelStrategy):
         strict = self.lightning_module.strict_loading
         if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
             # Rank 0 checks every file before any rank unpickles or reads one.
-            error = None
-            if self.is_global_zero:
-                try:
-                    integrity.verify_sharded_checkpoint(path)
-                except integrity.CheckpointError as exc:
-                    error = str(exc)
-            error = self.broadcast(error)
-            if error is not None:
-                raise integrity.CheckpointError(error)
+            self._on_rank_zero(lambda: integrity.verify_sharded_checkpoint(path), integrity.CheckpointError)
             return ckpt.load_sharded(path, self.model, optimizers, strict=strict)
         checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
         ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)

@@ -229,3 +229,52 @@ def test_a_full_checkpoint_with_objects_is_refused_under_weights_only(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         ckpt.read_full_checkpoint(path, weights_only=True)
     assert ckpt.read_full_checkpoint(path, weights_only=False)["hyper_parameters"]["thing"].__class__ is NotPlainData
+
+
+def test_init_weights_file_that_is_damaged_or_holds_no_state_dict_is_named(tmp_path):
+    from fsdp_strategy.integrity import CheckpointError
+
+    truncated = tmp_path / "weights.pt"
+    torch.save(TinyLM().state_dict(), truncated)
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    message = (
+        f"Checkpoint '{truncated}' is damaged: 'weights.pt' is not a complete checkpoint file (truncated, or not"
+        " written by torch.save): RuntimeError."
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ckpt.read_full_weights(truncated)
+
+    not_weights = tmp_path / "list.pt"
+    torch.save([1, 2], not_weights)
+    message = (
+        f"`init_weights` file '{not_weights}' holds no state dict: expected a Lightning checkpoint with a"
+        " 'state_dict' entry or a plain {name: tensor} dict."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ckpt.read_full_weights(not_weights)
+
+
+def test_an_unreadable_init_weights_file_fails_setup_with_its_reason(trainer_env, tmp_path):
+    import lightning as L
+
+    from fsdp_strategy import FSDP2Strategy
+
+    path = tmp_path / "weights.pt"
+    torch.save(TinyLM().state_dict(), path)
+    path.write_bytes(path.read_bytes()[:1000])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(init_weights=str(path)),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    message = (
+        f"Could not read `init_weights` '{path}' on rank 0: Checkpoint '{path}' is damaged: 'weights.pt' is not a"
+        " complete checkpoint file (truncated, or not written by torch.save): RuntimeError."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.fit(TinyLM(), token_loader())
