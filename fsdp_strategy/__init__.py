@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.consolidate import consolidate_checkpoint
 from fsdp_strategy.integrity import CheckpointError
+from fsdp_strategy.monitor import ShardingMonitor
 from fsdp_strategy.policy import PolicyInput
 from fsdp_strategy.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.strategy import FSDP2Strategy
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "FSDP2Strategy",
     "PolicyInput",
+    "ShardingMonitor",
     "__version__",
     "consolidate_checkpoint",
 ]

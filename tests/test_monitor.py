@@ -1,0 +1,232 @@
+"""``ShardingMonitor``: option errors, reading batches, model-state bytes, the summary, and in-process
+fits on one rank (FSDP2 and a single device). The 2-rank comparison with DDP is in integration_tests/."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.utilities.throughput import measure_flops
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_strategy import FSDP2Strategy, ShardingMonitor
+from fsdp_strategy.monitor import (
+    batch_size_of,
+    format_summary,
+    model_state_bytes,
+    optimizer_name,
+    plan_of,
+    summarize,
+    tokens_of,
+)
+from integration_tests.models import SEQ, TinyLM, token_loader
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"warmup_steps": 0}, ValueError, "`warmup_steps` must be a positive int; got 0."),
+        ({"warmup_steps": 2.5}, TypeError, "`warmup_steps` must be a positive int; got 2.5 of type float."),
+        ({"warmup_steps": True}, TypeError, "`warmup_steps` must be a positive int; got True of type bool."),
+        ({"batch_size_fn": 8}, TypeError, "`batch_size_fn` must be a callable batch -> int, or None; got 8 of type int."),
+        ({"tokens_fn": "numel"}, TypeError, "`tokens_fn` must be a callable batch -> int, or None; got 'numel' of type str."),
+        ({"tokens_per_sample": 0}, ValueError, "`tokens_per_sample` must be a positive int or None; got 0."),
+        ({"tokens_per_sample": "64"}, TypeError, "`tokens_per_sample` must be a positive int or None; got '64' of type str."),
+        ({"tokens_fn": len, "tokens_per_sample": 64}, ValueError,
+         "Pass `tokens_fn` or `tokens_per_sample`, not both; got tokens_fn=<built-in function len> and tokens_per_sample=64."),
+        ({"peak_tflops": "312"}, TypeError,
+         "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got '312' of type str."),
+        ({"peak_tflops": True}, TypeError,
+         "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got True of type bool."),
+        ({"peak_tflops": 0.0}, ValueError, "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got 0.0."),
+        ({"peak_tflops": math.inf}, ValueError, "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got inf."),
+        ({"count_flops": "yes"}, TypeError, "`count_flops` must be a bool; got 'yes' of type str."),
+        ({"print_summary": 1}, TypeError, "`print_summary` must be a bool; got 1 of type int."),
+    ],
+)
+def test_bad_options_name_the_option_value_and_what_is_accepted(options, error, message):
+    with pytest.raises(error, match=re.escape(message) + "$"):
+        ShardingMonitor(**options)
+
+
+def test_options_are_keyword_only():
+    with pytest.raises(TypeError):
+        ShardingMonitor(3)  # type: ignore[misc]
+
+
+def test_batch_size_and_tokens_are_read_from_the_batch():
+    tokens, targets = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long)
+    assert batch_size_of((tokens, targets)) == (4, False)
+    assert tokens_of((tokens, targets)) == (32, False)
+    hf_style = {"input_ids": tokens, "attention_mask": torch.ones(4, 8, dtype=torch.int64), "labels": targets}
+    assert tokens_of(hf_style) == (32, False)
+    images = [torch.zeros(4, 3, 2, 2), torch.zeros(4, dtype=torch.long)]
+    assert batch_size_of(images) == (4, False)
+    assert tokens_of(images) == (None, False)  # no token ids: tokens/s is simply not reported
+    assert tokens_of([tokens, torch.zeros(4, 5, dtype=torch.long)]) == (None, True)
+    assert batch_size_of([tokens, torch.zeros(2, 8)]) == (4, True)
+    assert batch_size_of({"meta": "text"}) == (None, False)
+
+
+def test_model_state_bytes_counts_local_shards_of_params_grads_and_optimizer_state(mesh):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    sharded = copy.deepcopy(model)
+    fully_shard(sharded, mesh=mesh)
+    expected = {}
+    for name, module in (("plain", model), ("sharded", sharded)):
+        optimizer = torch.optim.AdamW(module.parameters())
+        module(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        expected[name] = model_state_bytes(module, [optimizer])
+    params = sum(p.numel() for p in model.parameters())
+    # parameters, gradients, exp_avg, exp_avg_sq in fp32, plus Adam's fp32 step counter per tensor
+    assert expected["plain"] == 4 * params * 4 + 4 * len(list(model.parameters()))
+    assert expected["sharded"] == expected["plain"]
+
+
+def test_optimizer_and_strategy_names_for_the_estimator():
+    params = [nn.Parameter(torch.zeros(2))]
+    assert optimizer_name([torch.optim.AdamW(params)]) == "adamw"
+    assert optimizer_name([torch.optim.Adam(params)]) == "adam"
+    assert optimizer_name([torch.optim.SGD(params, lr=0.1)]) == "sgd"
+    assert optimizer_name([torch.optim.SGD(params, lr=0.1, momentum=0.9)]) == "sgd_momentum"
+    assert optimizer_name([torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1)]) is None
+    assert optimizer_name([torch.optim.RMSprop(params)]) is None
+
+    def two_ranks(strategy: FSDP2Strategy) -> FSDP2Strategy:
+        strategy.parallel_devices = [torch.device("cpu")] * 2
+        return strategy
+
+    assert plan_of(two_ranks(FSDP2Strategy())) == {"strategy": "fsdp2", "processes_per_node": None}
+    assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=False)))["strategy"] == "fsdp2_grad_op"
+    assert plan_of(two_ranks(FSDP2Strategy(replicate_size=2))) == {"strategy": "fsdp2_hybrid", "processes_per_node": 1}
+    assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
+    assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None}
+    assert plan_of(SingleDeviceStrategy("cpu")) is None
+
+
+def _row(**values: float) -> dict[str, float]:
+    row = dict.fromkeys(
+        ("peak_rss_bytes", "rss_growth_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "model_state_bytes",
+         "samples", "tokens", "batches", "seconds", "flops_per_batch"),
+        math.nan,
+    )
+    return {**row, **values}
+
+
+def test_summary_adds_ranks_together_over_the_slowest_rank():
+    rows = [
+        _row(peak_rss_bytes=3 * 2**30, model_state_bytes=2**30, samples=80, tokens=640, batches=10, seconds=2.0, flops_per_batch=4e12),
+        _row(peak_rss_bytes=2 * 2**30, model_state_bytes=2**29, samples=80, tokens=640, batches=10, seconds=4.0, flops_per_batch=4e12),
+    ]
+    summary = summarize(rows, peak_flops=100e12)
+    assert summary["samples_per_sec"] == 160 / 4.0
+    assert summary["tokens_per_sec"] == 1280 / 4.0
+    assert [r["tflops_per_sec"] for r in summary["ranks"]] == [20.0, 10.0]
+    assert summary["tflops_per_sec"] == 15.0  # per device: the mean over ranks
+    assert summary["mfu"] == pytest.approx(0.15)
+    assert summary["max_peak_rss_bytes"] == 3 * 2**30
+    assert summary["max_model_state_bytes"] == 2**30
+    assert summary["ranks"][1]["peak_allocated_bytes"] is None  # NaN (not measured) becomes None
+
+    table = format_summary({**summary, "strategy": "fsdp2", "device": "cpu", "precision": "32-true", "steps": 13,
+                            "warmup_steps": 3, "all_gather_bytes": 3 * 2**20, "reduce_scatter_bytes": 2**20,
+                            "all_reduce_bytes": 0.0, "sent_bytes": 2**21, "estimated_model_state_bytes": 2**30})
+    lines = table.splitlines()
+    assert lines[0].startswith("ShardingMonitor: fsdp2 | 2 x cpu | 32-true | 13 steps")
+    assert lines[1].split() == ["rank", "|", "peak", "RSS", "|", "RSS", "growth", "|", "model", "state", "|", "samples/s",
+                                "|", "tokens/s", "|", "TFLOP/s"]
+    assert lines[3].split("|")[1].strip() == "3.0 GiB" and lines[4].split("|")[1].strip() == "2.0 GiB"
+    assert "MFU 15.0% of 100.0 TFLOP/s peak" in table
+    assert "all-gather 3.0 MiB, reduce-scatter 1.0 MiB, all-reduce 0 B" in table
+    assert "measured 1.0 GiB (largest rank), estimated 1.0 GiB" in table
+
+
+def test_summary_without_a_timed_window_or_a_peak_says_not_available():
+    summary = summarize([_row(peak_rss_bytes=2**30, samples=8, batches=1, seconds=math.nan, flops_per_batch=1e9)], peak_flops=None)
+    assert summary["samples_per_sec"] is None and summary["tflops_per_sec"] is None and summary["mfu"] is None
+    table = format_summary({**summary, "all_gather_bytes": None, "communication_note": "no sharding plan known for X"})
+    assert "MFU n/a" in table and "communication per step: n/a (no sharding plan known for X)" in table
+
+
+# --- in-process fits --------------------------------------------------------------------------------
+
+
+def _fit(tmp_path: Path, monitor: ShardingMonitor, *, strategy="fsdp2", max_steps=6, **kwargs) -> tuple[L.Trainer, TinyLM]:
+    L.seed_everything(0)
+    model = TinyLM()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path, name="logs"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+        **kwargs,
+    )
+    trainer.fit(model, token_loader(batch_size=4, samples=32))
+    return trainer, model
+
+
+def test_fsdp2_fit_summary_logs_and_flops_match_measure_flops(trainer_env, tmp_path, capsys):
+    reference = TinyLM()  # an unsharded copy to count with Lightning's measure_flops
+    batch = next(iter(token_loader(batch_size=4)))
+    expected_flops = measure_flops(reference, lambda: reference.loss(batch), loss_fn=lambda loss: loss)
+
+    monitor = ShardingMonitor(warmup_steps=2, peak_tflops=0.5)
+    trainer, model = _fit(tmp_path, monitor, accumulate_grad_batches=2)
+
+    summary = monitor.summary
+    assert summary["flops_per_batch"] == expected_flops  # one micro-batch, forward and backward
+    assert summary["strategy"] == "fsdp2" and summary["world_size"] == 1 and summary["steps"] == 6
+    assert summary["measured_batches"] == (6 - 2) * 2  # micro-batches after the warm-up steps
+    (rank,) = summary["ranks"]
+    assert rank["samples_per_sec"] > 0 and rank["tokens_per_sec"] == pytest.approx(SEQ * rank["samples_per_sec"])
+    assert summary["mfu"] == pytest.approx(summary["tflops_per_sec"] / 0.5)
+    assert rank["peak_rss_bytes"] >= rank["rss_growth_bytes"] >= 0
+    optimizers = [o for o in trainer.optimizers]
+    assert rank["model_state_bytes"] == model_state_bytes(model, optimizers)
+    # one rank: nothing to communicate; the estimate agrees with what is held
+    assert summary["all_gather_bytes"] == summary["reduce_scatter_bytes"] == summary["all_reduce_bytes"] == 0
+    assert summary["estimated_model_state_bytes"] == pytest.approx(rank["model_state_bytes"], rel=0.01)
+
+    printed = capsys.readouterr().out
+    assert "ShardingMonitor: fsdp2 | 1 x cpu | 32-true | 6 steps, throughput over 8 batches" in printed
+
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    logged = [r for r in rows if r.get("monitor/samples_per_sec")]
+    assert [int(r["step"]) for r in logged] == [3, 5]  # steps 4 and 6: after the warm-up, every 2 steps
+    assert all(float(r["monitor/peak_rss_mib"]) > 0 and float(r["monitor/mfu"]) > 0 for r in logged)
+    assert any(r.get("monitor/model_state_mib") for r in rows)
+
+
+def test_single_device_fit_with_counters_given_and_flops_off(trainer_env, tmp_path, capsys):
+    monitor = ShardingMonitor(warmup_steps=1, batch_size_fn=lambda batch: 2 * len(batch[0]), tokens_per_sample=3,
+                              count_flops=False, print_summary=False)
+    _fit(tmp_path, monitor, strategy="auto", max_steps=3)
+    summary = monitor.summary
+    assert summary["strategy"] == "single_device" and summary["flops_per_batch"] is None
+    assert summary["tokens_per_sec"] == pytest.approx(3 * summary["samples_per_sec"])
+    assert summary["all_gather_bytes"] is None
+    assert summary["communication_note"] == "no sharding plan known for SingleDeviceStrategy"
+    assert capsys.readouterr().out == ""
+
+
+def test_a_batch_size_fn_returning_a_non_int_is_named(trainer_env, tmp_path):
+    monitor = ShardingMonitor(batch_size_fn=lambda batch: 4.0)
+    with pytest.raises(TypeError, match=re.escape("`batch_size_fn` must return an int; it returned 4.0 of type float.")):
+        _fit(tmp_path, monitor, strategy="auto", max_steps=1)
