@@ -9,6 +9,9 @@ MFU, and it reads the bytes all-gathered, reduce-scattered and all-reduced per o
 the sharding plan (:func:`fsdp_strategy.estimate.estimate_module`). Values are logged to the
 Trainer's loggers every ``log_every_n_steps`` and summarized in one table when fit ends.
 
+Peaks are those of the fit: CUDA's peak statistics and, on Linux, the process's peak RSS (VmHWM)
+are reset when fit starts, so a second fit in the same process is measured on its own.
+
 FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` around the first real training
 batch (forward and backward of one micro-batch): under FSDP2 the compute runs on gathered plain
 tensors, so the count equals Lightning's ``measure_flops`` on an unsharded copy. Activation
@@ -90,8 +93,26 @@ def current_rss_bytes() -> int | None:
         return None
 
 
+def reset_peak_rss() -> bool:
+    """Starts the process's peak resident set size afresh, as CUDA's peak is reset when fit starts
+    (Linux only; elsewhere the peak stays the process's lifetime peak). Returns whether it did."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # 5: reset the peak RSS (VmHWM)
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_bytes() -> int:
-    """The largest resident set size this process has had so far."""
+    """The largest resident set size of this process since it started, or since :func:`reset_peak_rss`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
@@ -515,6 +536,7 @@ class ShardingMonitor(Callback):
         self._clock = _Clock(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_rss()
         self._rss_at_start = current_rss_bytes()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
