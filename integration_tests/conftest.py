@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,74 @@ def launch(args: list[str], tmp_path: Path, *, nproc: int, launcher: str = "torc
         cmd = [sys.executable, "-m", "integration_tests.worker", *args, "--devices", str(nproc), "--out", str(out)]
         _run(cmd, cwd=tmp_path, env=env, check=True, timeout=timeout)
     return torch.load(out)
+
+
+def run_nodes(commands: list[list[str]], *, cwd: Path, envs: list[dict[str, str]], timeout: float) -> list[str]:
+    """Runs one command per simulated node at the same time, node ``i`` in ``cwd/node{i}``, and returns
+    each node's output. If any node fails or the job outlives ``timeout``, every node's process group
+    is killed and the error shows all outputs (a node's failure often shows only in its peer's log)."""
+    procs, logs = [], []
+    for node, (cmd, env) in enumerate(zip(commands, envs, strict=True)):
+        node_dir = cwd / f"node{node}"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        log = tempfile.TemporaryFile(mode="w+")
+        logs.append(log)
+        # A session of its own: killing the group also ends the workers a launcher started.
+        procs.append(subprocess.Popen(cmd, cwd=node_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            break
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(5)  # let the peers report how they saw the failure before they are killed
+            break
+        time.sleep(0.2)
+    timed_out = time.monotonic() > deadline
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    codes = [proc.returncode for proc in procs]
+    if any(codes):
+        report = "\n".join(
+            f"--- node {node}: {' '.join(cmd)} exited with {code} ---\n" + "\n".join(out.splitlines()[-40:])
+            for node, (cmd, code, out) in enumerate(zip(commands, codes, outputs))
+        )
+        reason = f"ran past its {timeout} s timeout" if timed_out else "failed"
+        raise AssertionError(f"A {len(procs)}-node job {reason}; the nodes still running were killed:\n{report}")
+    return outputs
+
+
+def torchrun_nodes(module: str, args: list[str], *, nnodes: int, nproc_per_node: int, cwd: Path, timeout: float = 300) -> list[str]:
+    """Runs ``python -m module`` as a job of ``nnodes`` simulated nodes on this machine: one torchrun per
+    node (``--node-rank``), static rendezvous on 127.0.0.1; returns each node's output."""
+    port = free_port()
+    commands = [
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node),
+            "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "-m", module, *args,
+        ]
+        for node in range(nnodes)
+    ]
+    return run_nodes(commands, cwd=cwd, envs=[_environment()] * nnodes, timeout=timeout)
+
+
+def lightning_nodes(module: str, args: list[str], *, nnodes: int, devices: int, cwd: Path, timeout: float = 300) -> list[str]:
+    """The same job started by Lightning's own launcher: ``python -m module ... --devices N`` once per node,
+    with ``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK`` set; returns each node's output."""
+    port = free_port()
+    command = [sys.executable, "-m", module, *args, "--devices", str(devices)]
+    envs = [
+        {**_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node)}
+        for node in range(nnodes)
+    ]
+    return run_nodes([command] * nnodes, cwd=cwd, envs=envs, timeout=timeout)
 
 
 def _environment() -> dict[str, str]:
