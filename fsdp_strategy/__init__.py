@@ -7,6 +7,7 @@ Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_o
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.consolidate import consolidate_checkpoint
+from fsdp_strategy.guard import NonFiniteGradientError
 from fsdp_strategy.integrity import CheckpointError
 from fsdp_strategy.monitor import ShardingMonitor
 from fsdp_strategy.policy import PolicyInput
@@ -17,6 +18,7 @@ __all__ = [
     "SUPPORTED_PRECISIONS",
     "CheckpointError",
     "FSDP2Strategy",
+    "NonFiniteGradientError",
     "PolicyInput",
     "ShardingMonitor",
     "__version__",

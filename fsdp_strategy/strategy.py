@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import integrity
+from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
     apply_activation_checkpointing,
@@ -103,6 +104,11 @@ class FSDP2Strategy(ParallelStrategy):
             plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
         timeout: seconds (or a ``timedelta``) that collectives wait for a peer before failing.
+        nonfinite_grads: what to do when a gradient holds NaN or inf before an optimizer step, checked
+            on every shard and agreed across ranks: ``"ignore"`` (no check, no cost), ``"skip"``
+            (drop that step's gradients so nothing is updated, warn naming the first affected
+            parameter, count it in :attr:`skipped_steps`) or ``"raise"`` (``NonFiniteGradientError``
+            on every rank). Under ``precision="16-mixed"`` the gradient scaler handles such steps.
     """
 
     strategy_name = "fsdp2"
@@ -126,6 +132,7 @@ class FSDP2Strategy(ParallelStrategy):
         init_weights: str | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800,
+        nonfinite_grads: str = "ignore",
     ) -> None:
         super().__init__()
         self._wrap_policy = normalize_policy(wrap_policy, option="wrap_policy")
@@ -174,6 +181,7 @@ class FSDP2Strategy(ParallelStrategy):
                 raise ValueError(f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file.")
         self._init_weights = None if init_weights is None else Path(init_weights)
         self._timeout = _as_timedelta(timeout)
+        self._nonfinite_guard = NonFiniteGuard(nonfinite_grads)
         self._reshard_after_forward = reshard_after_forward
         self._hybrid = hybrid or (replicate_size or 1) > 1
         self._replicate_size = replicate_size
@@ -450,8 +458,23 @@ class FSDP2Strategy(ParallelStrategy):
                 self.model.reshard()
             self._in_manual_step = False
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped under ``nonfinite_grads="skip"`` because a gradient held NaN or inf."""
+        return self._nonfinite_guard.skipped_steps
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._nonfinite_guard.active:
+            module = model or self.lightning_module
+            closure = self._nonfinite_guard.wrap(
+                closure,
+                module,
+                optimizer,
+                step=module.trainer.global_step,
+                device=self.root_device,
+                scaler=getattr(self.precision_plugin, "scaler", None),
+            )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._in_manual_step and isinstance(self.model, FSDPModule):
             # The root's own parameters were gathered when training_step began and resharded by the
