@@ -23,10 +23,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(module: str, args: list[str], *, nproc: int, cwd: Path, check: bool = True, timeout: float = 600):
+def torchrun(
+    module: str, args: list[str], *, nproc: int, cwd: Path, check: bool = True, timeout: float = 600, max_restarts: int = 0
+):
     """Runs ``python -m module`` on ``nproc`` CPU processes under torchrun."""
     # --standalone rendezvous picks a free port itself, so parallel tests never collide.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [f"--max-restarts={max_restarts}", "-m", module]
     return _run([*cmd, *args], cwd=cwd, env=_environment(), check=check, timeout=timeout)
 
 
@@ -42,12 +45,15 @@ def launch(args: list[str], tmp_path: Path, *, nproc: int, launcher: str = "torc
     return torch.load(out)
 
 
-def run_nodes(commands: list[list[str]], *, cwd: Path, envs: list[dict[str, str]], timeout: float) -> list[str]:
-    """Runs one command per simulated node at the same time, node ``i`` in ``cwd/node{i}``, and returns
-    each node's output. If any node fails or the job outlives ``timeout``, every node's process group
-    is killed and the error shows all outputs (a node's failure often shows only in its peer's log)."""
+def run_nodes(
+    commands: list[list[str]], *, cwd: Path, envs: list[dict[str, str]], timeout: float, nodes: list[int] | None = None
+) -> list[str]:
+    """Runs the commands at the same time, command ``i`` on simulated node ``nodes[i]`` (default ``i``),
+    in ``cwd/node{n}``, and returns each command's output. If any fails or the job outlives ``timeout``,
+    every process group is killed and the error shows all outputs (a node's failure often shows only in
+    its peer's log)."""
     procs, logs = [], []
-    for node, (cmd, env) in enumerate(zip(commands, envs, strict=True)):
+    for node, cmd, env in zip(nodes or range(len(commands)), commands, envs, strict=True):
         node_dir = cwd / f"node{node}"
         node_dir.mkdir(parents=True, exist_ok=True)
         log = tempfile.TemporaryFile(mode="w+")
@@ -76,10 +82,10 @@ def run_nodes(commands: list[list[str]], *, cwd: Path, envs: list[dict[str, str]
     if any(codes):
         report = "\n".join(
             f"--- node {node}: {' '.join(cmd)} exited with {code} ---\n" + "\n".join(out.splitlines()[-40:])
-            for node, (cmd, code, out) in enumerate(zip(commands, codes, outputs))
+            for node, cmd, code, out in zip(nodes or range(len(commands)), commands, codes, outputs)
         )
         reason = f"ran past its {timeout} s timeout" if timed_out else "failed"
-        raise AssertionError(f"A {len(procs)}-node job {reason}; the nodes still running were killed:\n{report}")
+        raise AssertionError(f"A multi-node job {reason}; the processes still running were killed:\n{report}")
     return outputs
 
 
@@ -108,6 +114,24 @@ def lightning_nodes(module: str, args: list[str], *, nnodes: int, devices: int, 
         for node in range(nnodes)
     ]
     return run_nodes([command] * nnodes, cwd=cwd, envs=envs, timeout=timeout)
+
+
+def srun_nodes(module: str, args: list[str], *, nnodes: int, ntasks_per_node: int, cwd: Path, timeout: float = 300) -> list[str]:
+    """The job as SLURM's ``srun`` starts it: every task is a process of its own with the ``SLURM_*``
+    variables srun sets (no ``LOCAL_RANK``), so Lightning picks ``SLURMEnvironment``. The main address
+    comes from ``SLURM_NODELIST``; returns each task's output."""
+    port, tasks = free_port(), range(nnodes * ntasks_per_node)
+    slurm = {
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port),
+        "SLURM_NNODES": str(nnodes), "SLURM_NTASKS": str(len(tasks)), "SLURM_NTASKS_PER_NODE": str(ntasks_per_node),
+    }
+    base = {k: v for k, v in _environment().items() if k not in ("LOCAL_RANK", "RANK", "MASTER_ADDR")}
+    envs = [
+        {**base, **slurm, "SLURM_PROCID": str(task), "SLURM_NODEID": str(task // ntasks_per_node), "SLURM_LOCALID": str(task % ntasks_per_node)}
+        for task in tasks
+    ]
+    command = [sys.executable, "-m", module, *args, "--devices", str(ntasks_per_node)]
+    return run_nodes([command] * len(tasks), cwd=cwd, envs=envs, timeout=timeout, nodes=[t // ntasks_per_node for t in tasks])
 
 
 def _environment() -> dict[str, str]:

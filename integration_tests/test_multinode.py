@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from integration_tests.conftest import lightning_nodes, max_relative_difference, run_nodes, torchrun_nodes
+from integration_tests.conftest import lightning_nodes, max_relative_difference, run_nodes, srun_nodes, torchrun_nodes
 from integration_tests.multinode_worker import BATCH_SIZE, EPOCHS, SAMPLES
 
 NODES, DEVICES = 2, 2
@@ -137,16 +137,21 @@ def test_rank_zero_only_output_and_logger_files(torchrun_job: dict, strategy: st
         assert len(plan_lines) == 1, output[-4000:]
 
 
-# --- Lightning's own launcher: NODE_RANK, MASTER_ADDR and MASTER_PORT set on each node -----------------------
+# --- the other launchers: one "fsdp2_hybrid" run each --------------------------------------------------------
 
 
-def test_lightning_launcher_on_two_nodes(tmp_path: Path) -> None:
-    """Lightning starts the second process of each node itself; the strategy computes global ranks
-    from ``NODE_RANK`` (torchrun hands them over ready-made)."""
+@pytest.mark.parametrize("launcher", ["lightning", "srun"])
+def test_other_launchers_on_two_nodes(tmp_path: Path, launcher: str) -> None:
+    """``lightning``: Lightning's own launcher with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set
+    on each node; it starts each node's second process itself and the strategy computes the global
+    ranks. ``srun``: the variables SLURM's srun sets, read by Lightning's ``SLURMEnvironment``."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     args = ["--strategies", "fsdp2_hybrid", "--num-nodes", str(NODES), "--out-dir", str(out_dir)]
-    outputs = lightning_nodes(WORKER, args, nnodes=NODES, devices=DEVICES, cwd=tmp_path, timeout=300)
+    if launcher == "lightning":
+        outputs = lightning_nodes(WORKER, args, nnodes=NODES, devices=DEVICES, cwd=tmp_path, timeout=300)
+    else:
+        outputs = srun_nodes(WORKER, args, nnodes=NODES, ntasks_per_node=DEVICES, cwd=tmp_path, timeout=300)
     ranks = load_ranks(out_dir, "fsdp2_hybrid")
     assert_topology(ranks, "fsdp2_hybrid")
     assert_each_sample_once_per_epoch(ranks, "fsdp2_hybrid")
