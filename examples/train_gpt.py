@@ -5,15 +5,14 @@
     python examples/train_gpt.py --strategy fsdp2_grad_op --precision 32-true --max-steps 300
 
 No ``torchrun`` needed: ``Trainer(devices=N)`` starts the other processes itself. At the end, rank 0 prints the
-final losses, the peak memory of each rank and the training throughput.
+``ShardingMonitor`` table (peak memory and model state of each rank, samples/s, tokens/s, TFLOP/s, MFU where the
+device's peak is known, and the communication per step of the sharding plan) and the final losses.
 """
 
 import argparse
 import collections
 import math
 import os
-import resource
-import sys
 import tempfile
 import time
 
@@ -23,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 import fsdp_strategy  # registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload"
+from fsdp_strategy import ShardingMonitor
 from gpt import GPT, ByteTextDataModule
 
 
@@ -48,51 +48,21 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-class RunSummary(Callback):
-    """Times training batches after a warm-up and, at the end, gathers every rank's numbers."""
+class LossSummary(Callback):
+    """Keeps the last training losses and, at the end, averages them over every rank."""
 
-    def __init__(self, warmup_batches: int = 10) -> None:
-        self.warmup_batches = warmup_batches
-        self.batches = self.samples = 0
-        self.start = self.elapsed = None
-        self.val_time = 0.0  # validation inside the timed window is not training time
-        self.recent_losses = collections.deque(maxlen=10)
-        self.summary = None
+    def __init__(self, last: int = 10) -> None:
+        self.recent_losses = collections.deque(maxlen=last)
+        self.train_loss = math.nan
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        now, self.batches = time.perf_counter(), self.batches + 1
         # Lightning divides the returned loss by accumulate_grad_batches; undo that for reporting
         self.recent_losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
-        if self.batches == self.warmup_batches:
-            self.start, self.val_time = now, 0.0
-        elif self.batches > self.warmup_batches:
-            self.samples += batch[0].size(0)
-            self.elapsed = now - self.start - self.val_time
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._val_start = time.perf_counter()
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        self.val_time += time.perf_counter() - self._val_start
 
     def on_train_end(self, trainer, pl_module) -> None:
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            peak_mib, what = torch.cuda.max_memory_allocated(device) / 2**20, "CUDA max allocated"
-        else:  # ru_maxrss is in KiB on Linux, bytes on macOS
-            unit = 2**20 if sys.platform == "darwin" else 2**10
-            peak_mib, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit, "peak RSS"
-        loss = torch.stack(list(self.recent_losses)).mean().item() if self.recent_losses else math.nan
-        mine = torch.tensor([self.samples, self.elapsed or math.nan, peak_mib, loss], dtype=torch.float64)
-        mine = mine.to(device)
-        rows = [mine]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # every rank must call this
-            rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(rows, mine)
-        rows = torch.stack(rows).cpu()
-        self.summary = dict(samples=rows[:, 0].sum().item(), seconds=rows[:, 1].max().item(),
-                            peak_mib=rows[:, 2].tolist(), memory_kind=what, train_loss=rows[:, 3].mean().item(),
-                            val_loss=float(trainer.callback_metrics.get("val_loss", math.nan)))
+        loss = torch.stack(list(self.recent_losses)).mean() if self.recent_losses else torch.tensor(math.nan)
+        # every rank reaches on_train_end, so every rank joins this reduction
+        self.train_loss = trainer.strategy.reduce(loss.to(trainer.strategy.root_device), reduce_op="mean").item()
 
 
 def main() -> None:
@@ -105,7 +75,9 @@ def main() -> None:
     # (CPU cores // processes) unless OMP_NUM_THREADS is set, i.e. 1 thread per rank for 2 ranks on 2 cores.
 
     data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
-    summary = RunSummary()
+    losses = LossSummary()
+    # Logs memory, throughput and communication every log_every_n_steps and prints a table when fit ends.
+    monitor = ShardingMonitor(warmup_steps=10)
     train_batches = args.max_steps * args.accumulate_grad_batches
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
@@ -123,7 +95,7 @@ def main() -> None:
         logger=CSVLogger(args.output_dir, name="train_gpt"),
         enable_checkpointing=args.checkpoint,
         default_root_dir=args.output_dir,
-        callbacks=[summary],
+        callbacks=[losses, monitor],
     )
     # With FSDP2 the model is created on the meta device (no memory) and each rank initializes only its own
     # shards after sharding, through the modules' reset_parameters(). Other strategies build it normally.
@@ -133,19 +105,15 @@ def main() -> None:
     trainer.fit(model, datamodule=data)
 
     if trainer.is_global_zero:
-        print_summary(args, trainer, model, summary, time.perf_counter() - t0)
+        print_summary(args, trainer, model, losses, time.perf_counter() - t0)
 
 
-def print_summary(args, trainer, model, summary: RunSummary, seconds: float) -> None:
-    s, device = summary.summary, trainer.strategy.root_device
+def print_summary(args, trainer, model, losses: LossSummary, seconds: float) -> None:
+    device = trainer.strategy.root_device
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"\n== {args.strategy} | {args.precision} | {trainer.world_size} x {device.type} | {n_params:.2f}M params"
-          f" | {trainer.global_step} steps ==")
-    print(f"final train loss {s['train_loss']:.4f} (last 10 batches, all ranks) | val loss {s['val_loss']:.4f}")
-    print(f"{s['memory_kind']} per rank: " + ", ".join(f"{m:.0f} MiB" for m in s["peak_mib"]))
-    rate = s["samples"] / s["seconds"]
-    print(f"throughput (all ranks, after {summary.warmup_batches} warm-up batches): {rate:.1f} samples/s,"
-          f" {rate * args.block_size:,.0f} tokens/s")
+    val_loss = float(trainer.callback_metrics.get("val_loss", math.nan))
+    print(f"{n_params:.2f}M params | final train loss {losses.train_loss:.4f} (last 10 batches, all ranks)"
+          f" | val loss {val_loss:.4f}")
     print(f"{seconds:.1f} s since the start of main() | logs: {trainer.logger.log_dir}")
     if device.type == "cpu" and "bf16" in args.precision and not cpu_has_bf16():
         print("note: this CPU has no native bf16, so bf16 matmuls are emulated; --precision 32-true is much faster")

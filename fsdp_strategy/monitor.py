@@ -3,14 +3,14 @@
 A Lightning callback that works with any strategy (``"fsdp2"`` and its variants, ``"ddp"``, one
 device), so the same run can be compared across them. Per rank it records the peak memory (CUDA:
 allocated and reserved; always: the peak resident set size of the process and its growth since fit
-started) and the bytes of model state held (local shards of parameters, gradients and optimizer
+started, i.e. from before ``configure_model`` and sharding) and the bytes of model state held (local shards of parameters, gradients and optimizer
 state). For the run it measures samples/s, tokens/s, TFLOP/s and, where the device's peak is known,
 MFU, and it reads the bytes all-gathered, reduce-scattered and all-reduced per optimizer step from
 the sharding plan (:func:`fsdp_strategy.estimate.estimate_module`). Values are logged to the
 Trainer's loggers every ``log_every_n_steps`` and summarized in one table when fit ends.
 
 Peaks are those of the fit: CUDA's peak statistics and, on Linux, the process's peak RSS (VmHWM)
-are reset when fit starts, so a second fit in the same process is measured on its own.
+are reset when fit sets up (before ``configure_model`` and sharding), so a second fit in the same process is measured on its own.
 
 FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` around the first real training
 batch (forward and backward of one micro-batch): under FSDP2 the compute runs on gathered plain
@@ -529,7 +529,10 @@ class ShardingMonitor(Callback):
 
     # --- hooks ---
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Before configure_model, sharding and the optimizers: their memory counts as the fit's.
+        if stage != "fit":
+            return
         self._reset()
         self.summary = None
         device = trainer.strategy.root_device
@@ -591,6 +594,8 @@ class ShardingMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Every rank reaches this hook and gathers unconditionally: nothing rank-local decides
         # whether the collective runs, so no rank can leave the others waiting in it.
+        if self._flop_counter is not None:  # the epoch ended early, inside the counted batch
+            self._stop_counting_flops()
         self._state_bytes = _nanmax(self._state_bytes, self._measure_state(trainer, pl_module))
         rows = self._gather(trainer, self._row(trainer, self._window_start, self._latest))
         precision = str(trainer.precision)
