@@ -25,6 +25,7 @@ __all__ = [
     "NonFiniteGuard",
     "check_nonfinite_grads_option",
     "first_nonfinite",
+    "guard_gradients",
     "named_optimizer_params",
 ]
 
