@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import threading
 import uuid
 from collections.abc import Callable, Generator
@@ -19,7 +21,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -37,7 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity
+from fsdp_strategy import integrity, rendezvous
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["FSDP2Strategy"]
+
+_log = logging.getLogger(__name__)
 
 _STATE_DICT_TYPES = ("sharded", "full")
 _OUR_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
@@ -103,7 +106,8 @@ class FSDP2Strategy(ParallelStrategy):
         init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
             plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
-        timeout: seconds (or a ``timedelta``) that collectives wait for a peer before failing.
+        timeout: seconds (or a ``timedelta``) that the start-up rendezvous and every collective wait for a
+            peer before failing. The error names the rank (and node) that never arrived or was lost.
         nonfinite_grads: what to do when a gradient holds NaN or inf before an optimizer step, checked
             on every shard and agreed across ranks: ``"ignore"`` (no check, no cost), ``"skip"``
             (drop that step's gradients so nothing is updated, warn naming the first affected
@@ -199,6 +203,8 @@ class FSDP2Strategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
+        self._membership: rendezvous.Membership | None = None
+        self._peer_lost = False
         self.num_nodes = 1
 
     @classmethod
@@ -288,11 +294,49 @@ class FSDP2Strategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        if not _distributed_is_initialized():
+            self._membership = self._join_process_group(backend)
         self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _join_process_group(self, backend: str) -> rendezvous.Membership:
+        environment = self.cluster_environment
+        assert environment is not None
+        # Other libraries (and Lightning's own helpers) read the rendezvous address from the environment.
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+        membership = rendezvous.join(
+            address=environment.main_address,
+            port=environment.main_port,
+            me=rendezvous.this_member(self.global_rank, self.node_rank, self.local_rank),
+            world_size=self.world_size,
+            processes_per_node=self.num_processes,
+            backend=backend,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        rank_zero_info(f"{type(self).__name__}: {self.world_size} processes joined ({backend}).")
+        return membership
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._membership is not None and self.lightning_module is not None:
+            self._membership.step = self.lightning_module.trainer.global_step
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # A lost peer surfaces as a transport error ("Connection reset by peer") that names no rank;
+        # the heartbeats tell which rank stopped.
+        if self._membership is None or not rendezvous.is_communication_failure(exception):
+            return
+        self._peer_lost = True
+        diagnosis = f"{self._membership.diagnose()} {rendezvous.advice()}"
+        message = f"[rank {self.global_rank}] {type(self).__name__}: a collective failed. {diagnosis}"
+        if hasattr(exception, "add_note"):  # Python >= 3.11 prints notes under the traceback
+            exception.add_note(message)
+        else:
+            _log.error(message)
 
     # --- precision --------------------------------------------------------------------------------
 
@@ -628,7 +672,10 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         # Sharded parameters stay where they are: moving them to CPU would gather nothing and cost a copy.
-        self.wait_for_checkpoint()
+        if not self._peer_lost:  # waiting would end in a barrier that the lost peer never joins
+            self.wait_for_checkpoint()
+        if self._membership is not None:
+            self._membership.stop()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
