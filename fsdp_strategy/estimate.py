@@ -1,0 +1,714 @@
+"""Memory and communication per rank for each strategy, from the model's shapes alone.
+
+:func:`estimate_module` counts, for one strategy and world size, what each rank keeps (parameters,
+gradients, optimizer state) and what it moves per optimizer step (all-gather, reduce-scatter,
+all-reduce). It plans the units with the strategy's own :func:`fsdp_strategy.parallelize.plan_units`,
+so the root holds everything outside the blocks, tied weights are counted once, and under
+``*-mixed`` the norms are fp32 units of their own. It reads only shapes and dtypes, so it works on
+a meta-device model (nothing allocated) and on a model already sharded by FSDP2 (global shapes of
+the DTensor parameters, its units as they were sharded).
+
+:func:`estimate` builds a LightningModule on the meta device, estimates every strategy at every
+world size, and recommends the simplest strategy that fits a memory budget
+(``fsdp-strategy estimate``).
+
+Figures are per rank, for the rank holding the largest shards (rank 0): FSDP2 pads each parameter's
+first dimension to a multiple of the shard size, so rank 0 holds ``ceil(d0 / shards)`` rows.
+Communication figures are full-size tensor bytes per optimizer step (an all-gather counts its
+gathered output, a reduce-scatter its unsharded input); a ring moves ``(n - 1) / n`` of that per
+rank for both, and twice that for an all-reduce (:attr:`Estimate.sent_bytes`). Nothing is counted
+for a group of one rank, where FSDP2 copies instead of communicating.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from fsdp_strategy.mesh import resolve_mesh_shape
+from fsdp_strategy.parallelize import plan_units
+from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy
+from fsdp_strategy.precision import (
+    FULL_PRECISION_POLICY,
+    SUPPORTED_PRECISIONS,
+    is_normalization,
+    mixed_precision_policy,
+)
+
+__all__ = [
+    "OPTIMIZERS",
+    "RECOMMENDATION_ORDER",
+    "STRATEGIES",
+    "Estimate",
+    "EstimateReport",
+    "Recommendation",
+    "estimate",
+    "estimate_module",
+    "format_bytes",
+    "parse_bytes",
+]
+
+STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
+# Simplest first: the order in which strategies are tried against a budget.
+RECOMMENDATION_ORDER = ("ddp", "fsdp2_grad_op", "fsdp2", "fsdp2_hybrid", "fsdp2_offload")
+# Optimizer state tensors of the parameter's size, and whether a step counter is kept per parameter.
+_OPTIMIZER_STATE = {"adamw": (2, True), "adam": (2, True), "sgd": (0, False), "sgd_momentum": (1, False), "none": (0, False)}
+OPTIMIZERS = tuple(_OPTIMIZER_STATE)
+_STEP_COUNTER_BYTES = 4  # Adam's per-parameter fp32 "step" scalar
+# The short spellings Lightning still accepts for Trainer(precision=...).
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+_HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE_FORMS = "a size like 80GiB, 80GB, 512MiB or 1.5TiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or plain bytes"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy at one world size. Bytes per rank (on the device unless named otherwise)."""
+
+    strategy: str
+    world_size: int
+    mesh: tuple[int, int]  # (replicate, shard)
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    largest_unit_bytes: int  # the largest unit's full (gathered) parameters in compute dtype, root included
+    all_gather_bytes: int  # per optimizer step: full-size bytes gathered by one rank
+    reduce_scatter_bytes: int  # per optimizer step: full-size gradient bytes reduce-scattered
+    all_reduce_bytes: int  # per optimizer step: DDP's gradients, or hybrid's gradient shard across replicas
+    host_bytes: int  # sharded state kept in host memory (fsdp2_offload), 0 otherwise
+    # Held only during the step: gathered units and unsharded gradients (FSDP2), gradient buckets and
+    # autocast's low-precision weight copies (DDP). Activations are never included.
+    working_bytes: int = 0
+    precision: str = "32-true"
+    optimizer: str = "adamw"
+    note: str = ""
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state on the device."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Model state plus what the step holds besides it; activations not included."""
+        return self.model_state_bytes + self.working_bytes
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes one rank sends per optimizer step over ring collectives (as many are received)."""
+        replicate, shard = self.mesh
+        gather_and_scatter = (self.all_gather_bytes + self.reduce_scatter_bytes) * (shard - 1) / shard
+        reduce = 2 * self.all_reduce_bytes * (replicate - 1) / replicate
+        return round(gather_and_scatter + reduce)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "mesh": list(self.mesh),
+            "model_state_bytes": self.model_state_bytes,
+            "peak_bytes": self.peak_bytes,
+            "sent_bytes": self.sent_bytes,
+        }
+
+
+# --- one module, one strategy --------------------------------------------------------------------
+
+
+def estimate_module(
+    module: nn.Module,
+    *,
+    strategy: str,
+    world_size: int,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    processes_per_node: int | None = None,
+    wrap_policy: PolicyInput = "auto",
+    accumulate_grad_batches: int = 1,
+) -> Estimate:
+    """Memory per rank and communication per optimizer step of training ``module`` with ``strategy``.
+
+    ``module`` may live on the meta device, or be sharded already by FSDP2 (its units are then the
+    ones it was sharded with, and ``wrap_policy`` is not used). ``processes_per_node`` sets
+    ``fsdp2_hybrid``'s shard size; by default two nodes of ``world_size / 2`` processes are assumed
+    when ``world_size`` is even (one node otherwise).
+
+    Raises:
+        ValueError / TypeError: an option that is not one of the accepted values.
+    """
+    precision = _check_options(module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches)
+    mesh, note = _mesh_for(strategy, world_size, processes_per_node)
+    if strategy == "ddp":
+        groups = [_Group(_param_infos(_unique_parameters(module), precision, mixed_precision_policy(precision)))]
+    else:
+        groups = _unit_groups(module, precision, wrap_policy)
+    return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulate_grad_batches, note)
+
+
+def _check_options(
+    module: nn.Module,
+    strategy: str,
+    world_size: int,
+    precision: str,
+    optimizer: str,
+    processes_per_node: int | None,
+    accumulate_grad_batches: int,
+) -> str:
+    """Validates the options and returns the precision in its canonical spelling."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {', '.join(STRATEGIES)}; got {strategy!r}.")
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    if processes_per_node is not None:
+        _check_positive_int("processes_per_node", processes_per_node)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
+    return canonical_precision(precision)
+
+
+def canonical_precision(precision: str) -> str:
+    """``precision`` as one of :data:`SUPPORTED_PRECISIONS` (Lightning's short aliases accepted)."""
+    canonical = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if canonical not in SUPPORTED_PRECISIONS:
+        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISIONS)}; got {precision!r}.")
+    return canonical
+
+
+def _check_positive_int(option: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{option}` must be a positive int; got {value!r}.")
+
+
+def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
+    """``(replicate, shard)`` and a note on how it was chosen."""
+    if strategy == "ddp":
+        return (world_size, 1), ""
+    if strategy == "fsdp2_offload":
+        return (1, world_size), "CUDA only; the sharded state lives in host memory"
+    if strategy != "fsdp2_hybrid":
+        return (1, world_size), ""
+    if processes_per_node is not None:
+        if world_size % processes_per_node:
+            raise ValueError(
+                f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
+                " shards within a node and replicates across nodes."
+            )
+        return resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node), ""
+    if world_size % 2 == 0:
+        per_node = world_size // 2
+        return (2, per_node), f"assumes 2 nodes of {per_node} process{'es' if per_node > 1 else ''} (set processes_per_node)"
+    return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
+
+
+# --- what the strategy would shard -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ParamInfo:
+    shape: tuple[int, ...]
+    storage: int  # bytes per element of the kept (master) parameter, its gradient and optimizer state
+    compute: int  # bytes per element when gathered
+    reduce: int  # bytes per element when reduced
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The parameters of one FSDP unit (or the whole model under DDP)."""
+
+    params: list[_ParamInfo]
+    is_root: bool = False
+
+
+def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[_Group]:
+    """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
+    low = mixed_precision_policy(precision)
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        # Already sharded: its units are the modules fully_shard was applied to.
+        policies = {
+            id(m): FULL_PRECISION_POLICY if low is not None and is_normalization(m) else low
+            for m in module.modules()
+            if isinstance(m, FSDPModule) and m is not module
+        }
+    else:
+        policy = normalize_policy(wrap_policy, option="wrap_policy")
+        units = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
+        policies = {id(unit.module): unit.mp_policy if low is not None else None for unit in units}
+    owners = _assign_parameters(module, list(policies))
+    root = _Group(_param_infos(owners.pop(id(module), []), precision, low), is_root=True)
+    return [root, *(_Group(_param_infos(params, precision, policies[key])) for key, params in owners.items())]
+
+
+def _assign_parameters(module: nn.Module, unit_ids: list[int]) -> dict[int, list[nn.Parameter]]:
+    """Each parameter under the innermost unit that contains it (the root when none does), once."""
+    owners: dict[int, list[nn.Parameter]] = {id(module): [], **{key: [] for key in unit_ids}}
+    seen: set[int] = set()
+    stack = [(module, id(module))]
+    while stack:
+        current, owner = stack.pop()
+        owner = id(current) if id(current) in owners else owner
+        for param in current.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                owners[owner].append(param)
+        stack.extend((child, owner) for child in current.children())
+    return owners
+
+
+def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+def _param_infos(params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None) -> list[_ParamInfo]:
+    infos = []
+    half = _HALF_DTYPES.get(precision)
+    for param in params:
+        floating = param.is_floating_point()
+        storage = half if half is not None and floating else param.dtype  # *-true casts the whole model
+        compute = policy.param_dtype if policy is not None and policy.param_dtype and floating else storage
+        reduce = policy.reduce_dtype if policy is not None and policy.reduce_dtype and floating else compute
+        infos.append(
+            _ParamInfo(
+                shape=tuple(param.shape),  # a DTensor's shape is the global one
+                storage=_itemsize(storage),
+                compute=_itemsize(compute),
+                reduce=_itemsize(reduce),
+                trainable=param.requires_grad,
+            )
+        )
+    return infos
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+# --- counting ---------------------------------------------------------------------------------------
+
+
+def _shard_numel(shape: tuple[int, ...], shards: int) -> int:
+    """Elements of rank 0's shard: FSDP2 splits dim 0 into ``shards`` chunks, the first one largest."""
+    rows = shape[0] if shape else 1
+    return math.ceil(rows / shards) * (math.prod(shape[1:]) if shape else 1)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Byte totals of one group at one shard size."""
+
+    sharded: int  # rank 0's shards of all parameters, storage dtype
+    sharded_trainable: int  # of the trainable ones (gradients)
+    sharded_trainable_reduce: int  # the gradient shard in reduce dtype (hybrid's all-reduce)
+    gathered: int  # full padded parameters in compute dtype
+    gathered_grads: int  # full padded gradients in compute dtype (unsharded, before reduction)
+    reduced: int  # full padded gradients in reduce dtype (reduce-scatter input)
+    step_counters: int  # trainable parameter tensors (one optimizer step counter each)
+
+
+def _sizes(group: _Group, shards: int) -> _Sizes:
+    sharded = sharded_trainable = sharded_reduce = gathered = gathered_grads = reduced = counters = 0
+    for p in group.params:
+        numel = _shard_numel(p.shape, shards)
+        sharded += numel * p.storage
+        gathered += numel * shards * p.compute
+        if p.trainable:
+            sharded_trainable += numel * p.storage
+            sharded_reduce += numel * p.reduce
+            gathered_grads += numel * shards * p.compute
+            reduced += numel * shards * p.reduce
+            counters += 1
+    return _Sizes(sharded, sharded_trainable, sharded_reduce, gathered, gathered_grads, reduced, counters)
+
+
+def _optimizer_bytes(grad_bytes: int, step_counters: int, optimizer: str) -> int:
+    tensors, counter = _OPTIMIZER_STATE[optimizer]
+    return tensors * grad_bytes + (step_counters * _STEP_COUNTER_BYTES if counter else 0)
+
+
+def _estimate_groups(
+    groups: list[_Group],
+    strategy: str,
+    world_size: int,
+    mesh: tuple[int, int],
+    precision: str,
+    optimizer: str,
+    accumulate: int,
+    note: str,
+) -> Estimate:
+    replicate, shards = mesh
+    sizes = [_sizes(group, shards) for group in groups]
+    params = sum(s.sharded for s in sizes)
+    grads = sum(s.sharded_trainable for s in sizes)
+    optimizer_state = _optimizer_bytes(grads, sum(s.step_counters for s in sizes), optimizer)
+    common = {
+        "strategy": strategy,
+        "world_size": world_size,
+        "mesh": mesh,
+        "largest_unit_bytes": max(s.gathered for s in sizes),
+        "precision": precision,
+        "optimizer": optimizer,
+        "note": note,
+    }
+    if strategy == "ddp":
+        return Estimate(
+            param_bytes=params,
+            grad_bytes=grads,
+            optimizer_bytes=optimizer_state,
+            all_gather_bytes=0,
+            reduce_scatter_bytes=0,
+            all_reduce_bytes=grads if world_size > 1 else 0,  # one all-reduce per step: no_sync while accumulating
+            host_bytes=0,
+            working_bytes=_ddp_working_bytes(groups[0], grads),
+            **{**common, "largest_unit_bytes": 0},  # nothing is gathered
+        )
+    offload = strategy == "fsdp2_offload"
+    device_state = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optimizer_state}
+    return Estimate(
+        **({key: 0 for key in device_state} if offload else device_state),
+        host_bytes=sum(device_state.values()) if offload else 0,
+        all_gather_bytes=_all_gather_bytes(sizes, groups, strategy, accumulate) if shards > 1 else 0,
+        reduce_scatter_bytes=sum(s.reduced for s in sizes) if shards > 1 else 0,
+        all_reduce_bytes=sum(s.sharded_trainable_reduce for s in sizes) if replicate > 1 else 0,
+        working_bytes=_fsdp_working_bytes(sizes, groups, strategy, accumulate),
+        **common,
+    )
+
+
+def _all_gather_bytes(sizes: list[_Sizes], groups: list[_Group], strategy: str, accumulate: int) -> int:
+    # The root stays gathered from its forward to the end of backward; with resharding after
+    # forward, every other unit is gathered again in backward. Both happen on every micro-batch.
+    root = sum(s.gathered for s, g in zip(sizes, groups) if g.is_root)
+    blocks = sum(s.gathered for s, g in zip(sizes, groups) if not g.is_root)
+    per_micro_batch = root + blocks * (1 if strategy == "fsdp2_grad_op" else 2)
+    return per_micro_batch * accumulate
+
+
+def _fsdp_working_bytes(sizes: list[_Sizes], groups: list[_Group], strategy: str, accumulate: int) -> int:
+    """The worst moment of backward: the root's gathered parameters and their unsharded gradients,
+    the unit being computed (and, without ``grad_op``, the next one prefetched), its unsharded
+    gradient and its reduce-scatter input. ``fsdp2_grad_op`` keeps every unit gathered from
+    forward until its backward. Accumulating micro-batches keeps every unsharded gradient."""
+    root = next(s for s, g in zip(sizes, groups) if g.is_root)
+    blocks = [s for s, g in zip(sizes, groups) if not g.is_root]
+    reduce_step = max([root.reduced, *(b.gathered_grads + b.reduced for b in blocks)])
+    if strategy == "fsdp2_grad_op":
+        gathered = sum(s.gathered for s in sizes)
+    else:
+        gathered = root.gathered + 2 * max([0, *(b.gathered for b in blocks)])
+    accumulated = sum(s.reduced for s in sizes) if accumulate > 1 else 0
+    return gathered + root.gathered_grads + reduce_step + accumulated
+
+
+def _ddp_working_bytes(group: _Group, grads: int) -> int:
+    # DistributedDataParallel copies gradients into buckets of its own (Lightning keeps torch's
+    # default gradient_as_bucket_view=False), and autocast keeps a low-precision copy of each
+    # weight matrix for backward.
+    autocast_copies = sum(math.prod(p.shape) * p.compute for p in group.params if len(p.shape) >= 2 and p.compute < p.storage)
+    return grads + autocast_copies
+
+
+# --- bytes as text -------------------------------------------------------------------------------
+
+
+def parse_bytes(value: int | str, *, option: str = "budget") -> int:
+    """``"80GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5TiB"`` or plain bytes (``1073741824``) as an int.
+
+    Raises:
+        ValueError: ``value`` is none of those forms, or not positive.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > 0:
+            return value
+        raise ValueError(f"`{option}` must be positive: {_SIZE_FORMS}; got {value!r}.")
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in _UNITS):
+        raise ValueError(f"`{option}` must be {_SIZE_FORMS}; got {value!r}.")
+    size = int(float(match.group(1)) * _UNITS[unit or "b"])
+    if size <= 0:
+        raise ValueError(f"`{option}` must be positive: {_SIZE_FORMS}; got {value!r}.")
+    return size
+
+
+def format_bytes(size: float) -> str:
+    """``size`` in the largest binary unit that keeps it at or above 1 (``"9.1 GiB"``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} B"
+
+
+def parse_world_sizes(text: str, *, option: str = "--world-sizes") -> list[int]:
+    """``"1,2,4,8"`` as ``[1, 2, 4, 8]``."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size <= 0 for size in sizes):
+        raise ValueError(f"`{option}` must be comma-separated positive ints such as 1,2,4,8; got {text!r}.")
+    return sizes
+
+
+def parse_strategies(text: str, *, option: str = "--strategies") -> list[str]:
+    """``"ddp,fsdp2"`` as ``["ddp", "fsdp2"]``, each one of :data:`STRATEGIES`."""
+    names = [part.strip() for part in text.split(",")]
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"`{option}` must be comma-separated names from {', '.join(STRATEGIES)}; got {text!r}.")
+    return names
+
+
+def parse_init_args(text: str | None, *, option: str = "--init-args") -> dict[str, Any]:
+    """A JSON object of constructor arguments (``None``: no arguments)."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"`{option}` must be a JSON object such as '{{\"n_layer\": 12}}'; got {text!r} ({exc}).") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"`{option}` must be a JSON object such as '{{\"n_layer\": 12}}'; got {text!r}.")
+    return value
+
+
+# --- a LightningModule at several world sizes --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The simplest strategy that fits the budget at one world size (``None`` when none fits)."""
+
+    world_size: int
+    strategy: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    """Every strategy at every world size, and a recommendation per world size when a budget is given."""
+
+    model: str
+    num_params: int
+    precision: str
+    optimizer: str
+    budget: int | None
+    rows: list[Estimate]
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (strategy, world size, why)
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+    def recommendation(self, world_size: int) -> Recommendation | None:
+        return next((r for r in self.recommendations if r.world_size == world_size), None)
+
+    def table(self) -> str:
+        return _table(self)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "num_params": self.num_params,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "budget": self.budget,
+            "rows": [row.as_dict() for row in self.rows],
+            "skipped": [{"strategy": s, "world_size": w, "reason": r} for s, w, r in self.skipped],
+            "recommendations": [asdict(r) for r in self.recommendations],
+        }
+
+
+def estimate(
+    target: str | type[nn.Module],
+    *,
+    init_args: dict[str, Any] | None = None,
+    world_sizes: Sequence[int],
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    budget: int | str | None = None,
+    processes_per_node: int | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    wrap_policy: PolicyInput = "auto",
+    accumulate_grad_batches: int = 1,
+) -> EstimateReport:
+    """Estimates every strategy in ``strategies`` at every world size for a module built on the meta device.
+
+    ``target`` is a module class or ``"package.module:Class"``; it is built with ``init_args`` on the
+    meta device (``configure_model()`` too, when a LightningModule defines it), so no memory is
+    allocated and no process group is needed. With a ``budget`` (bytes per rank, an int or a
+    string such as ``"80GiB"``) each world size gets the simplest strategy whose peak fits.
+
+    Raises:
+        ValueError / TypeError: a bad option, a target that cannot be imported or built.
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget, option="budget")
+    world_sizes = _check_world_sizes(world_sizes)
+    strategies = _check_strategies(strategies)
+    precision = canonical_precision(precision)
+    model = build_on_meta(load_target(target), init_args or {})
+    rows, skipped = [], []
+    for world_size in world_sizes:
+        for strategy in strategies:
+            try:
+                rows.append(
+                    estimate_module(
+                        model,
+                        strategy=strategy,
+                        world_size=world_size,
+                        precision=precision,
+                        optimizer=optimizer,
+                        processes_per_node=processes_per_node,
+                        wrap_policy=wrap_policy,
+                        accumulate_grad_batches=accumulate_grad_batches,
+                    )
+                )
+            except ValueError as exc:
+                if strategy != "fsdp2_hybrid" or processes_per_node is None:
+                    raise
+                skipped.append((strategy, world_size, str(exc)))  # a node size that does not divide this world
+    recommendations = [] if budget_bytes is None else [recommend(rows, w, budget_bytes) for w in world_sizes]
+    return EstimateReport(
+        model=class_name(model),
+        num_params=sum(p.numel() for p in _unique_parameters(model)),
+        precision=precision,
+        optimizer=optimizer,
+        budget=budget_bytes,
+        rows=rows,
+        skipped=skipped,
+        recommendations=recommendations,
+    )
+
+
+def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recommendation:
+    """The first strategy in :data:`RECOMMENDATION_ORDER` whose peak bytes fit ``budget`` at ``world_size``,
+    with the figures that rule out the simpler ones."""
+    candidates = sorted((r for r in rows if r.world_size == world_size), key=lambda r: RECOMMENDATION_ORDER.index(r.strategy))
+    if not candidates:
+        return Recommendation(world_size, None, "no strategy was estimated at this world size")
+    limit = format_bytes(budget)
+    fits = [r for r in candidates if r.peak_bytes <= budget]
+    too_big = candidates[: candidates.index(fits[0])] if fits else candidates
+    needs = ", ".join(f"{r.strategy} {format_bytes(r.peak_bytes)}" for r in too_big)
+    if not fits:
+        return Recommendation(
+            world_size,
+            None,
+            f"nothing fits the {limit} budget per rank ({needs}); use more ranks, a lower precision or a lighter optimizer",
+        )
+    chosen = fits[0]
+    why = f"{chosen.strategy} needs {format_bytes(chosen.peak_bytes)} per rank <= {limit} budget"
+    if len(too_big) == 1:
+        return Recommendation(world_size, chosen.strategy, f"{too_big[0].strategy} needs {format_bytes(too_big[0].peak_bytes)} per rank > {limit} budget; {why}")
+    if too_big:
+        return Recommendation(world_size, chosen.strategy, f"{needs} per rank exceed the {limit} budget; {why}")
+    return Recommendation(world_size, chosen.strategy, f"{why}, and it is the simplest")
+
+
+def _check_world_sizes(world_sizes: Sequence[int]) -> list[int]:
+    if isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence) or not world_sizes:
+        raise ValueError(f"`world_sizes` must be a non-empty list of positive ints; got {world_sizes!r}.")
+    for size in world_sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"`world_sizes` must be a non-empty list of positive ints; got {world_sizes!r}.")
+    return list(dict.fromkeys(world_sizes))
+
+
+def _check_strategies(strategies: Sequence[str]) -> list[str]:
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if isinstance(strategies, str) or not strategies or unknown:
+        raise ValueError(f"`strategies` must be a non-empty list from {', '.join(STRATEGIES)}; got {strategies!r}.")
+    return sorted(set(strategies), key=RECOMMENDATION_ORDER.index)
+
+
+def load_target(target: str | type[nn.Module]) -> type[nn.Module]:
+    """The module class named by ``"package.module:Class"`` (the current directory is importable)."""
+    if isinstance(target, type):
+        cls = target
+    elif isinstance(target, str) and target.count(":") == 1 and all(target.split(":")):
+        module_name, _, attribute = target.partition(":")
+        if os.getcwd() not in sys.path and "" not in sys.path:  # a console script does not add it
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(
+                f"Could not import {module_name!r} for {target!r}: {exc}. MODULE must be importable from the"
+                " current directory or the Python path."
+            ) from exc
+        cls = getattr(module, attribute, None)
+        if cls is None:
+            classes = sorted(name for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module))
+            raise ValueError(f"{module_name!r} has no attribute {attribute!r}; its nn.Module classes are: {', '.join(classes) or 'none'}.")
+    else:
+        raise ValueError(f"The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got {target!r}.")
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"{target!r} must name a torch.nn.Module subclass; it is {cls!r}.")
+    return cls
+
+
+def build_on_meta(cls: type[nn.Module], init_args: dict[str, Any]) -> nn.Module:
+    """``cls(**init_args)`` with every tensor on the meta device, ``configure_model()`` included."""
+    if not isinstance(init_args, dict):
+        raise TypeError(f"`init_args` must be a dict of keyword arguments; got {type(init_args).__name__}.")
+    call = f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in init_args.items())})"
+    with torch.device("meta"):
+        try:
+            model = cls(**init_args)
+        except (TypeError, ValueError) as exc:  # an unknown, missing or invalid argument
+            raise ValueError(f"Could not build {call}: {exc}") from exc
+        configure = getattr(model, "configure_model", None)
+        if callable(configure):  # LightningModules may build their layers here
+            configure()
+    return model
+
+
+# --- the table --------------------------------------------------------------------------------------
+
+_COLUMNS = ("strategy", "mesh", "params", "grads", "optimizer", "largest unit", "peak*", "all-gather", "reduce-scatter", "all-reduce", "host")
+
+
+def _cell(size: int) -> str:
+    return format_bytes(size) if size else "-"
+
+
+def _table(report: EstimateReport) -> str:
+    lines = [
+        f"{report.model}: {report.num_params:,} parameters, precision {report.precision}, optimizer {report.optimizer}",
+        "Bytes per rank; communication in full-size bytes per optimizer step.",
+    ]
+    for world_size in dict.fromkeys(r.world_size for r in report.rows):
+        rows = [r for r in report.rows if r.world_size == world_size]
+        cells = [
+            [
+                r.strategy,
+                f"{r.mesh[0]}x{r.mesh[1]}",
+                *(_cell(v) for v in (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.largest_unit_bytes)),
+                format_bytes(r.peak_bytes),
+                *(_cell(v) for v in (r.all_gather_bytes, r.reduce_scatter_bytes, r.all_reduce_bytes, r.host_bytes)),
+            ]
+            for r in rows
+        ]
+        widths = [max(len(c) for c in column) for column in zip(_COLUMNS, *cells)]
+        lines += ["", f"world size {world_size}"]
+        lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in [_COLUMNS, *cells]]
+        lines += [f"  {r.strategy}: {r.note}" for r in rows if r.note]
+        lines += [f"  {s}: skipped: {why}" for s, w, why in report.skipped if w == world_size]
+    lines += ["", "* peak: model state + gathered units and unsharded gradients (DDP: gradient buckets); activations not included."]
+    if report.budget is None:
+        lines.append("Pass a budget (--budget 80GiB) for a recommendation.")
+    for rec in report.recommendations:
+        choice = rec.strategy or "none fits"
+        lines.append(f"world size {rec.world_size}: {choice} ({rec.reason})")
+    return "\n".join(lines)
