@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 from collections.abc import Sequence
@@ -39,6 +40,58 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from fsdp_strategy.estimate import estimate, parse_bytes, parse_init_args, parse_strategies, parse_world_sizes
+
+    try:
+        report = estimate(
+            args.target,
+            init_args=parse_init_args(args.init_args),
+            world_sizes=parse_world_sizes(args.world_sizes),
+            precision=args.precision,
+            optimizer=args.optimizer,
+            budget=None if args.budget is None else parse_bytes(args.budget, option="--budget"),
+            processes_per_node=args.processes_per_node,
+            strategies=parse_strategies(args.strategies),
+        )
+    except (TypeError, ValueError) as exc:  # a bad option, a class that cannot be imported or built
+        print(f"fsdp-strategy estimate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+    return 0
+
+
+def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
+    from fsdp_strategy.estimate import OPTIMIZERS, STRATEGIES
+    from fsdp_strategy.precision import SUPPORTED_PRECISIONS
+
+    parser = commands.add_parser(
+        "estimate",
+        help="memory per rank and communication per step of each strategy, before training",
+        description="Builds the module on the meta device (no memory, no process group) and prints, per strategy and"
+        " world size, the parameters, gradients and optimizer state each rank holds, the largest gathered unit, the"
+        " peak without activations, and the bytes all-gathered, reduce-scattered and all-reduced per optimizer step."
+        " With --budget it recommends the simplest strategy that fits.",
+    )
+    parser.add_argument("target", metavar="MODULE:Class", help="the LightningModule, e.g. examples.gpt:GPT")
+    parser.add_argument("--init-args", metavar="JSON", help="constructor arguments, a JSON object")
+    parser.add_argument("--world-sizes", default="1,2,4,8", help="comma-separated numbers of ranks (default: 1,2,4,8)")
+    parser.add_argument("--precision", default="32-true", choices=SUPPORTED_PRECISIONS, help="default: 32-true")
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
+    parser.add_argument("--budget", help="memory per rank, e.g. 80GiB, 80GB, 512MiB or plain bytes")
+    parser.add_argument("--processes-per-node", type=_positive_int, metavar="N",
+                        help="fsdp2_hybrid's shard size (default: half the world size, i.e. 2 nodes)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all of them)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(run=_estimate)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int; got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-strategy", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -54,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
     consolidate.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     consolidate.set_defaults(run=_consolidate)
+    _add_estimate_parser(commands)
     return parser
 
 
