@@ -7,6 +7,7 @@ Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_o
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.consolidate import consolidate_checkpoint
+from fsdp_strategy.estimate import Estimate, estimate, estimate_module
 from fsdp_strategy.guard import NonFiniteGradientError
 from fsdp_strategy.integrity import CheckpointError
 from fsdp_strategy.monitor import ShardingMonitor
@@ -17,12 +18,15 @@ from fsdp_strategy.strategy import FSDP2Strategy
 __all__ = [
     "SUPPORTED_PRECISIONS",
     "CheckpointError",
+    "Estimate",
     "FSDP2Strategy",
     "NonFiniteGradientError",
     "PolicyInput",
     "ShardingMonitor",
     "__version__",
     "consolidate_checkpoint",
+    "estimate",
+    "estimate_module",
 ]
 __version__ = "0.1.0"
 
