@@ -93,28 +93,47 @@ class Membership:
             after = _counters(store, others)
             steps = {rank: _read_int(store, f"step/{rank}") for rank in others}
         except Exception as exc:
-            return f"The rendezvous store of {self.store_owner} cannot be reached any more ({type(exc).__name__}): {self.store_gone}"
+            return (
+                f"The rendezvous store of {self.store_owner} cannot be reached any more ({type(exc).__name__}):"
+                f" {self.store_gone}"
+            )
         lost = [rank for rank in others if after[rank] <= before[rank]]
         if lost:
-            nodes = sorted({self.members[rank].node_rank for rank in lost})
-            node_note = ""
-            whole = [n for n in nodes if all(m.rank in lost for m in self.members.values() if m.node_rank == n)]
-            if whole:
-                node_note = f" Every rank of node {', '.join(map(str, whole))} is gone: that node was probably lost."
-            return (
-                f"Lost {len(lost)} of {len(self.members)} ranks: "
-                + "; ".join(self.members[rank].describe() for rank in lost)
-                + f" stopped responding (no heartbeat for {2.5 * self.interval:.1f} s)."
-                + node_note
-            )
+            return self._lost_message(lost)
         steps[self.me.rank] = self.step
-        behind = sorted(rank for rank in steps if steps[rank] is not None and steps[rank] < max(s or 0 for s in steps.values()))
-        progress = ", ".join(f"rank {rank}: {steps[rank]}" for rank in sorted(steps))
-        detail = f" Ranks {', '.join(map(str, behind))} are behind." if behind else ""
-        return (
-            "Every rank is still alive, so one of them did not reach the same collective in time (stuck, much"
-            f" slower, or on a different code path). Global step per rank: {progress}.{detail}"
+        return _behind_message(steps)
+
+    def _lost_message(self, lost: list[int]) -> str:
+        whole_nodes = sorted(
+            {self.members[rank].node_rank for rank in lost}
+            - {m.node_rank for m in self.members.values() if m.rank not in lost}
         )
+        node_note = (
+            f" Every rank of node {', '.join(map(str, whole_nodes))} is gone: that node was probably lost."
+            if whole_nodes
+            else ""
+        )
+        return (
+            f"Lost {len(lost)} of {len(self.members)} ranks: "
+            + "; ".join(self.members[rank].describe() for rank in lost)
+            + f" stopped responding (no heartbeat for {2.5 * self.interval:.1f} s).{node_note}"
+        )
+
+
+def _behind_message(steps: dict[int, int | None]) -> str:
+    known = {rank: step for rank, step in steps.items() if step is not None}
+    furthest = max(known.values(), default=0)
+    behind = sorted(rank for rank, step in known.items() if step < furthest)
+    progress = ", ".join(f"rank {rank}: {steps[rank]}" for rank in sorted(steps))
+    detail = ""
+    if len(behind) == 1:
+        detail = f" Rank {behind[0]} is behind."
+    elif behind:
+        detail = f" Ranks {', '.join(map(str, behind))} are behind."
+    return (
+        "Every rank is still alive, so one of them did not reach the same collective in time (stuck, much"
+        f" slower, or on a different code path). Global step per rank: {progress}.{detail}"
+    )
 
 
 def join(

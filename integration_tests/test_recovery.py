@@ -106,7 +106,7 @@ def test_a_stuck_peer_fails_the_others_after_the_timeout_naming_who_is_behind(tm
         _stop(procs)
     assert code != 0
     assert "Every rank is still alive, so one of them did not reach the same collective in time" in output, output[-3000:]
-    assert "Global step per rank: rank 0: 3, rank 1: 2. Ranks 1 are behind." in output
+    assert "Global step per rank: rank 0: 3, rank 1: 2. Rank 1 is behind." in output
 
 
 def test_ranks_that_never_arrive_are_named(tmp_path: Path) -> None:
