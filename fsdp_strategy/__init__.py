@@ -13,6 +13,7 @@ from fsdp_strategy.integrity import CheckpointError
 from fsdp_strategy.monitor import ShardingMonitor
 from fsdp_strategy.policy import PolicyInput
 from fsdp_strategy.precision import SUPPORTED_PRECISIONS
+from fsdp_strategy.rendezvous import PeerLostError
 from fsdp_strategy.strategy import FSDP2Strategy
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Estimate",
     "FSDP2Strategy",
     "NonFiniteGradientError",
+    "PeerLostError",
     "PolicyInput",
     "ShardingMonitor",
     "__version__",
