@@ -389,10 +389,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if summary.get("all_gather_bytes") is not None:
         lines.append(
-            f"communication per optimizer step and rank ({summary['strategy']} plan, full tensor sizes):"
-            f" all-gather {_bytes(summary['all_gather_bytes'])}, reduce-scatter"
-            f" {_bytes(summary['reduce_scatter_bytes'])}, all-reduce {_bytes(summary['all_reduce_bytes'])};"
-            f" a ring sends {_bytes(summary['sent_bytes'])}"
+            f"communication per step and rank ({summary['strategy']} plan): all-gather"
+            f" {_bytes(summary['all_gather_bytes'])}, reduce-scatter {_bytes(summary['reduce_scatter_bytes'])},"
+            f" all-reduce {_bytes(summary['all_reduce_bytes'])}; ring sends {_bytes(summary['sent_bytes'])}"
         )
         lines.append(
             f"model state per rank: measured {_bytes(summary['max_model_state_bytes'])} (largest rank),"
