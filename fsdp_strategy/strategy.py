@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
+    _destroy_dist_connection,
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
@@ -316,6 +318,8 @@ class FSDP2Strategy(ParallelStrategy):
             timeout=self._timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        if backend == "nccl":
+            atexit.register(_destroy_dist_connection)  # torch warns about NCCL groups left at exit
         rank_zero_info(f"{type(self).__name__}: {self.world_size} processes joined ({backend}).")
         return membership
 
