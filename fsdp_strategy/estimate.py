@@ -63,15 +63,23 @@ STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
 # Simplest first: the order in which strategies are tried against a budget.
 RECOMMENDATION_ORDER = ("ddp", "fsdp2_grad_op", "fsdp2", "fsdp2_hybrid", "fsdp2_offload")
 # Optimizer state tensors of the parameter's size, and whether a step counter is kept per parameter.
-_OPTIMIZER_STATE = {"adamw": (2, True), "adam": (2, True), "sgd": (0, False), "sgd_momentum": (1, False), "none": (0, False)}
+_OPTIMIZER_STATE = {
+    "adamw": (2, True),
+    "adam": (2, True),
+    "sgd": (0, False),
+    "sgd_momentum": (1, False),
+    "none": (0, False),
+}
 OPTIMIZERS = tuple(_OPTIMIZER_STATE)
 _STEP_COUNTER_BYTES = 4  # Adam's per-parameter fp32 "step" scalar
 # The short spellings Lightning still accepts for Trainer(precision=...).
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 _HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_JSON_FORM = """a JSON object such as '{"n_layer": 12}'"""
 _SIZE_FORMS = "a size like 80GiB, 80GB, 512MiB or 1.5TiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or plain bytes"
 
 
@@ -149,7 +157,9 @@ def estimate_module(
     Raises:
         ValueError / TypeError: an option that is not one of the accepted values.
     """
-    precision = _check_options(module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches)
+    precision = _check_options(
+        module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches
+    )
     mesh, note = _mesh_for(strategy, world_size, processes_per_node)
     if strategy == "ddp":
         groups = [_Group(_param_infos(_unique_parameters(module), precision, mixed_precision_policy(precision)))]
@@ -208,10 +218,12 @@ def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) ->
                 f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
                 " shards within a node and replicates across nodes."
             )
-        return resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node), ""
+        mesh = resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node)
+        return mesh, ""
     if world_size % 2 == 0:
         per_node = world_size // 2
-        return (2, per_node), f"assumes 2 nodes of {per_node} process{'es' if per_node > 1 else ''} (set processes_per_node)"
+        processes = f"{per_node} process{'es' if per_node > 1 else ''}"
+        return (2, per_node), f"assumes 2 nodes of {processes} (set processes_per_node)"
     return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
 
 
@@ -236,6 +248,7 @@ class _Group:
 
 
 def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[_Group]:
+    # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
     """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
     low = mixed_precision_policy(precision)
     if any(isinstance(m, FSDPModule) for m in module.modules()):
@@ -248,7 +261,7 @@ def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) ->
     else:
         policy = normalize_policy(wrap_policy, option="wrap_policy")
         units = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
-        policies = {id(unit.module): unit.mp_policy if low is not None else None for unit in units}
+        policies = {id(unit.module): unit.mp_policy for unit in units}
     owners = _assign_parameters(module, list(policies))
     root = _Group(_param_infos(owners.pop(id(module), []), precision, low), is_root=True)
     return [root, *(_Group(_param_infos(params, precision, policies[key])) for key, params in owners.items())]
@@ -274,7 +287,9 @@ def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list({id(p): p for p in module.parameters()}.values())
 
 
-def _param_infos(params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None) -> list[_ParamInfo]:
+def _param_infos(
+    params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None
+) -> list[_ParamInfo]:
     infos = []
     half = _HALF_DTYPES.get(precision)
     for param in params:
@@ -285,17 +300,13 @@ def _param_infos(params: Sequence[nn.Parameter], precision: str, policy: MixedPr
         infos.append(
             _ParamInfo(
                 shape=tuple(param.shape),  # a DTensor's shape is the global one
-                storage=_itemsize(storage),
-                compute=_itemsize(compute),
-                reduce=_itemsize(reduce),
+                storage=storage.itemsize,
+                compute=compute.itemsize,
+                reduce=reduce.itemsize,
                 trainable=param.requires_grad,
             )
         )
     return infos
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 # --- counting ---------------------------------------------------------------------------------------
@@ -418,7 +429,8 @@ def _ddp_working_bytes(group: _Group, grads: int) -> int:
     # DistributedDataParallel copies gradients into buckets of its own (Lightning keeps torch's
     # default gradient_as_bucket_view=False), and autocast keeps a low-precision copy of each
     # weight matrix for backward.
-    autocast_copies = sum(math.prod(p.shape) * p.compute for p in group.params if len(p.shape) >= 2 and p.compute < p.storage)
+    matrices = [p for p in group.params if len(p.shape) >= 2 and p.compute < p.storage]
+    autocast_copies = sum(math.prod(p.shape) * p.compute for p in matrices)
     return grads + autocast_copies
 
 
@@ -480,9 +492,9 @@ def parse_init_args(text: str | None, *, option: str = "--init-args") -> dict[st
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"`{option}` must be a JSON object such as '{{\"n_layer\": 12}}'; got {text!r} ({exc}).") from exc
+        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r} ({exc}).") from exc
     if not isinstance(value, dict):
-        raise ValueError(f"`{option}` must be a JSON object such as '{{\"n_layer\": 12}}'; got {text!r}.")
+        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r}.")
     return value
 
 
@@ -594,7 +606,8 @@ def estimate(
 def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recommendation:
     """The first strategy in :data:`RECOMMENDATION_ORDER` whose peak bytes fit ``budget`` at ``world_size``,
     with the figures that rule out the simpler ones."""
-    candidates = sorted((r for r in rows if r.world_size == world_size), key=lambda r: RECOMMENDATION_ORDER.index(r.strategy))
+    candidates = [r for r in rows if r.world_size == world_size]
+    candidates.sort(key=lambda r: RECOMMENDATION_ORDER.index(r.strategy))
     if not candidates:
         return Recommendation(world_size, None, "no strategy was estimated at this world size")
     limit = format_bytes(budget)
@@ -605,12 +618,15 @@ def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recomme
         return Recommendation(
             world_size,
             None,
-            f"nothing fits the {limit} budget per rank ({needs}); use more ranks, a lower precision or a lighter optimizer",
+            f"nothing fits the {limit} budget per rank ({needs}); use more ranks, a lower precision or a"
+            " lighter optimizer",
         )
     chosen = fits[0]
     why = f"{chosen.strategy} needs {format_bytes(chosen.peak_bytes)} per rank <= {limit} budget"
     if len(too_big) == 1:
-        return Recommendation(world_size, chosen.strategy, f"{too_big[0].strategy} needs {format_bytes(too_big[0].peak_bytes)} per rank > {limit} budget; {why}")
+        simplest = too_big[0]
+        why = f"{simplest.strategy} needs {format_bytes(simplest.peak_bytes)} per rank > {limit} budget; {why}"
+        return Recommendation(world_size, chosen.strategy, why)
     if too_big:
         return Recommendation(world_size, chosen.strategy, f"{needs} per rank exceed the {limit} budget; {why}")
     return Recommendation(world_size, chosen.strategy, f"{why}, and it is the simplest")
@@ -649,10 +665,15 @@ def load_target(target: str | type[nn.Module]) -> type[nn.Module]:
             ) from exc
         cls = getattr(module, attribute, None)
         if cls is None:
-            classes = sorted(name for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module))
-            raise ValueError(f"{module_name!r} has no attribute {attribute!r}; its nn.Module classes are: {', '.join(classes) or 'none'}.")
+            classes = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)]
+            raise ValueError(
+                f"{module_name!r} has no attribute {attribute!r}; its nn.Module classes are:"
+                f" {', '.join(sorted(classes)) or 'none'}."
+            )
     else:
-        raise ValueError(f"The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got {target!r}.")
+        raise ValueError(
+            f"The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got {target!r}."
+        )
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"{target!r} must name a torch.nn.Module subclass; it is {cls!r}.")
     return cls
@@ -676,11 +697,33 @@ def build_on_meta(cls: type[nn.Module], init_args: dict[str, Any]) -> nn.Module:
 
 # --- the table --------------------------------------------------------------------------------------
 
-_COLUMNS = ("strategy", "mesh", "params", "grads", "optimizer", "largest unit", "peak*", "all-gather", "reduce-scatter", "all-reduce", "host")
+_COLUMNS = ("strategy", "mesh", "params", "grads", "optimizer", "largest unit", "peak*")
+_COLUMNS += ("all-gather", "reduce-scatter", "all-reduce", "host")
 
 
-def _cell(size: int) -> str:
-    return format_bytes(size) if size else "-"
+_PEAK = "model state + gathered units and unsharded gradients (DDP: gradient buckets)"
+
+
+def _cells(row: Estimate) -> list[str]:
+    def size(value: int) -> str:
+        return format_bytes(value) if value else "-"
+
+    return [
+        row.strategy,
+        f"{row.mesh[0]}x{row.mesh[1]}",
+        *(size(v) for v in (row.param_bytes, row.grad_bytes, row.optimizer_bytes, row.largest_unit_bytes)),
+        format_bytes(row.peak_bytes),
+        *(size(v) for v in (row.all_gather_bytes, row.reduce_scatter_bytes, row.all_reduce_bytes, row.host_bytes)),
+    ]
+
+
+def _aligned(table: list[list[str]]) -> list[str]:
+    """Names left-aligned, sizes right-aligned, columns two spaces apart."""
+    widths = [max(len(cell) for cell in column) for column in zip(*table)]
+    return [
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+        for line in table
+    ]
 
 
 def _table(report: EstimateReport) -> str:
@@ -690,25 +733,11 @@ def _table(report: EstimateReport) -> str:
     ]
     for world_size in dict.fromkeys(r.world_size for r in report.rows):
         rows = [r for r in report.rows if r.world_size == world_size]
-        cells = [
-            [
-                r.strategy,
-                f"{r.mesh[0]}x{r.mesh[1]}",
-                *(_cell(v) for v in (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.largest_unit_bytes)),
-                format_bytes(r.peak_bytes),
-                *(_cell(v) for v in (r.all_gather_bytes, r.reduce_scatter_bytes, r.all_reduce_bytes, r.host_bytes)),
-            ]
-            for r in rows
-        ]
-        widths = [max(len(c) for c in column) for column in zip(_COLUMNS, *cells)]
-        lines += ["", f"world size {world_size}"]
-        lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in [_COLUMNS, *cells]]
+        lines += ["", f"world size {world_size}", *_aligned([list(_COLUMNS), *map(_cells, rows)])]
         lines += [f"  {r.strategy}: {r.note}" for r in rows if r.note]
         lines += [f"  {s}: skipped: {why}" for s, w, why in report.skipped if w == world_size]
-    lines += ["", "* peak: model state + gathered units and unsharded gradients (DDP: gradient buckets); activations not included."]
+    lines += ["", f"* peak: {_PEAK}; activations not included."]
     if report.budget is None:
         lines.append("Pass a budget (--budget 80GiB) for a recommendation.")
-    for rec in report.recommendations:
-        choice = rec.strategy or "none fits"
-        lines.append(f"world size {rec.world_size}: {choice} ({rec.reason})")
+    lines += [f"world size {r.world_size}: {r.strategy or 'none fits'} ({r.reason})" for r in report.recommendations]
     return "\n".join(lines)

@@ -73,7 +73,9 @@ class _MeasureBeforeLastStep(L.Callback):
             return
         self.held = model_state_bytes(pl_module, [getattr(optimizer, "_optimizer", optimizer)])
         strategy, precision, name = self.config
-        estimate = estimate_module(pl_module, strategy=strategy, world_size=trainer.world_size, precision=precision, optimizer=name)
+        estimate = estimate_module(
+            pl_module, strategy=strategy, world_size=trainer.world_size, precision=precision, optimizer=name
+        )
         self.live_estimate = estimate.model_state_bytes
 
 
