@@ -3,14 +3,15 @@
 A Lightning callback that works with any strategy (``"fsdp2"`` and its variants, ``"ddp"``, one
 device), so the same run can be compared across them. Per rank it records the peak memory (CUDA:
 allocated and reserved; always: the peak resident set size of the process and its growth since fit
-started, i.e. from before ``configure_model`` and sharding) and the bytes of model state held (local shards of parameters, gradients and optimizer
-state). For the run it measures samples/s, tokens/s, TFLOP/s and, where the device's peak is known,
-MFU, and it reads the bytes all-gathered, reduce-scattered and all-reduced per optimizer step from
-the sharding plan (:func:`fsdp_strategy.estimate.estimate_module`). Values are logged to the
-Trainer's loggers every ``log_every_n_steps`` and summarized in one table when fit ends.
+set up, before ``configure_model`` and sharding) and the bytes of model state held (local shards of
+parameters, gradients and optimizer state). For the run it measures samples/s, tokens/s, TFLOP/s
+and, where the device's peak is known, MFU, and it reads the bytes all-gathered, reduce-scattered
+and all-reduced per optimizer step from the sharding plan
+(:func:`fsdp_strategy.estimate.estimate_module`). Values are logged to the Trainer's loggers every
+``log_every_n_steps`` and summarized in one table when fit ends.
 
 Peaks are those of the fit: CUDA's peak statistics and, on Linux, the process's peak RSS (VmHWM)
-are reset when fit sets up (before ``configure_model`` and sharding), so a second fit in the same process is measured on its own.
+are reset when fit sets up, so a second fit in the same process is measured on its own.
 
 FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` around the first real training
 batch (forward and backward of one micro-batch): under FSDP2 the compute runs on gathered plain
@@ -479,7 +480,9 @@ class ShardingMonitor(Callback):
         _check_positive_int("warmup_steps", warmup_steps, accepted="a positive int")
         for option, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
             if fn is not None and not callable(fn):
-                raise TypeError(f"`{option}` must be a callable batch -> int, or None; got {fn!r} of type {type(fn).__name__}.")
+                raise TypeError(
+                    f"`{option}` must be a callable batch -> int, or None; got {fn!r} of type {type(fn).__name__}."
+                )
         if tokens_per_sample is not None:
             _check_positive_int("tokens_per_sample", tokens_per_sample, accepted="a positive int or None")
             if tokens_fn is not None:
@@ -494,7 +497,9 @@ class ShardingMonitor(Callback):
                     f" {peak_tflops!r} of type {type(peak_tflops).__name__}."
                 )
             if not math.isfinite(peak_tflops) or peak_tflops <= 0:
-                raise ValueError(f"`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got {peak_tflops!r}.")
+                raise ValueError(
+                    f"`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got {peak_tflops!r}."
+                )
         for option, value in (("count_flops", count_flops), ("print_summary", print_summary)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
@@ -551,7 +556,9 @@ class ShardingMonitor(Callback):
             self._communication_note = f"estimate failed: {error}"
             rank_zero_warn(f"ShardingMonitor: the communication estimate failed: {error}")
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.count_flops and math.isnan(self._flops_per_batch) and self._flop_counter is None:
             self._flop_counter = FlopCounterMode(display=False)
             self._flop_counter.__enter__()
@@ -645,7 +652,11 @@ class ShardingMonitor(Callback):
         else:
             samples, ambiguous = batch_size_of(batch)
             if ambiguous:
-                self._warn_once("batch_size", f"ShardingMonitor: the batch holds tensors of different lengths; counting {samples} samples per batch. Pass `batch_size_fn` to say how many.")
+                self._warn_once(
+                    "batch_size",
+                    f"ShardingMonitor: the batch holds tensors of different lengths; counting {samples} samples"
+                    " per batch. Pass `batch_size_fn` to say how many.",
+                )
             samples = samples or 0
         self._samples += samples
         self._batches += 1
@@ -656,7 +667,11 @@ class ShardingMonitor(Callback):
         else:
             tokens, ambiguous = tokens_of(batch)
             if ambiguous:
-                self._warn_once("tokens", "ShardingMonitor: the batch holds integer tensors of different sizes, so tokens/s is not reported. Pass `tokens_fn` or `tokens_per_sample`.")
+                self._warn_once(
+                    "tokens",
+                    "ShardingMonitor: the batch holds integer tensors of different sizes, so tokens/s is not"
+                    " reported. Pass `tokens_fn` or `tokens_per_sample`.",
+                )
             if tokens is None:
                 self._tokens_known = False
             else:
@@ -673,7 +688,8 @@ class ShardingMonitor(Callback):
 
     def _row(self, trainer: pl.Trainer, start: _Point | None, end: _Point | None) -> dict[str, float]:
         row = {**peak_memory(trainer.strategy.root_device, self._rss_at_start), "model_state_bytes": self._state_bytes}
-        row.update(samples=math.nan, tokens=math.nan, batches=math.nan, seconds=math.nan, flops_per_batch=self._flops_per_batch)
+        row.update(dict.fromkeys(("samples", "tokens", "batches", "seconds"), math.nan))
+        row["flops_per_batch"] = self._flops_per_batch
         if start is not None and end is not None and end.batches > start.batches:
             assert self._clock is not None
             validation = end.validation_seconds - start.validation_seconds

@@ -56,4 +56,5 @@ def test_logged_metrics_reach_the_csv_logger(runs):
         assert all(float(r["monitor/peak_rss_mib"]) > 0 for r in logged)
         final = [r for r in rows if r.get("monitor/model_state_mib")]
         assert len(final) == 1
-        assert float(final[0]["monitor/all_gather_mib_per_step" if strategy == "fsdp2" else "monitor/all_reduce_mib_per_step"]) > 0
+        collective = "all_gather" if strategy == "fsdp2" else "all_reduce"
+        assert float(final[0][f"monitor/{collective}_mib_per_step"]) > 0

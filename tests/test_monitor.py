@@ -77,6 +77,22 @@ def test_batch_size_and_tokens_are_read_from_the_batch():
     assert batch_size_of({"meta": "text"}) == (None, False)
 
 
+def test_ambiguous_batches_warn_once_and_name_the_option():
+    monitor = ShardingMonitor()
+    batch = [torch.zeros(4, 8, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)]
+    with pytest.warns(UserWarning) as caught:
+        monitor._count(batch)
+        monitor._count(batch)
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        "ShardingMonitor: the batch holds tensors of different lengths; counting 4 samples per batch."
+        " Pass `batch_size_fn` to say how many.",
+        "ShardingMonitor: the batch holds integer tensors of different sizes, so tokens/s is not reported."
+        " Pass `tokens_fn` or `tokens_per_sample`.",
+    ]
+    assert monitor._samples == 8 and not monitor._tokens_known
+
+
 def test_model_state_bytes_counts_local_shards_of_params_grads_and_optimizer_state(mesh):
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     sharded = copy.deepcopy(model)
@@ -124,9 +140,10 @@ def _row(**values: float) -> dict[str, float]:
 
 
 def test_summary_adds_ranks_together_over_the_slowest_rank():
+    timed = {"samples": 80, "tokens": 640, "batches": 10, "flops_per_batch": 4e12}
     rows = [
-        _row(peak_rss_bytes=3 * 2**30, model_state_bytes=2**30, samples=80, tokens=640, batches=10, seconds=2.0, flops_per_batch=4e12),
-        _row(peak_rss_bytes=2 * 2**30, model_state_bytes=2**29, samples=80, tokens=640, batches=10, seconds=4.0, flops_per_batch=4e12),
+        _row(peak_rss_bytes=3 * 2**30, model_state_bytes=2**30, seconds=2.0, **timed),
+        _row(peak_rss_bytes=2 * 2**30, model_state_bytes=2**29, seconds=4.0, **timed),
     ]
     summary = summarize(rows, peak_flops=100e12)
     assert summary["samples_per_sec"] == 160 / 4.0
@@ -143,8 +160,9 @@ def test_summary_adds_ranks_together_over_the_slowest_rank():
                             "all_reduce_bytes": 0.0, "sent_bytes": 2**21, "estimated_model_state_bytes": 2**30})
     lines = table.splitlines()
     assert lines[0].startswith("ShardingMonitor: fsdp2 | 2 x cpu | 32-true | 13 steps")
-    assert lines[1].split() == ["rank", "|", "peak", "RSS", "|", "RSS", "growth", "|", "model", "state", "|", "samples/s",
-                                "|", "tokens/s", "|", "TFLOP/s"]
+    assert [cell.strip() for cell in lines[1].split("|")] == [
+        "rank", "peak RSS", "RSS growth", "model state", "samples/s", "tokens/s", "TFLOP/s"
+    ]
     assert lines[3].split("|")[1].strip() == "3.0 GiB" and lines[4].split("|")[1].strip() == "2.0 GiB"
     assert "MFU 15.0% of 100.0 TFLOP/s peak" in table
     assert "all-gather 3.0 MiB, reduce-scatter 1.0 MiB, all-reduce 0 B" in table
@@ -152,7 +170,8 @@ def test_summary_adds_ranks_together_over_the_slowest_rank():
 
 
 def test_summary_without_a_timed_window_or_a_peak_says_not_available():
-    summary = summarize([_row(peak_rss_bytes=2**30, samples=8, batches=1, seconds=math.nan, flops_per_batch=1e9)], peak_flops=None)
+    row = _row(peak_rss_bytes=2**30, samples=8, batches=1, seconds=math.nan, flops_per_batch=1e9)
+    summary = summarize([row], peak_flops=None)
     assert summary["samples_per_sec"] is None and summary["tflops_per_sec"] is None and summary["mfu"] is None
     table = format_summary({**summary, "all_gather_bytes": None, "communication_note": "no sharding plan known for X"})
     assert "MFU n/a" in table and "communication per step: n/a (no sharding plan known for X)" in table
@@ -161,7 +180,9 @@ def test_summary_without_a_timed_window_or_a_peak_says_not_available():
 # --- in-process fits --------------------------------------------------------------------------------
 
 
-def _fit(tmp_path: Path, monitor: ShardingMonitor, *, strategy="fsdp2", max_steps=6, **kwargs) -> tuple[L.Trainer, TinyLM]:
+def _fit(
+    tmp_path: Path, monitor: ShardingMonitor, *, strategy="fsdp2", max_steps=6, **kwargs
+) -> tuple[L.Trainer, TinyLM]:
     L.seed_everything(0)
     model = TinyLM()
     trainer = L.Trainer(
