@@ -254,14 +254,20 @@ def optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> dict[str, float] | None:
-    """Bytes per optimizer step and rank that the sharding plan moves, and the estimated model state.
+def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict[str, Any] | None, str]:
+    """Bytes per optimizer step and rank that the sharding plan moves, and the estimated model state;
+    or ``None`` and the reason why there is no estimate.
 
     ``module`` is the live model: once sharded, the estimator reads the units it was sharded into."""
     plan = plan_of(trainer.strategy)
+    if plan is None:
+        if isinstance(trainer.strategy, FSDP2Strategy):
+            return None, f"the estimator has no plan for reshard_after_forward={trainer.strategy._reshard_after_forward}"
+        return None, f"no sharding plan known for {type(trainer.strategy).__name__}"
     optimizer = optimizer_name(trainer.optimizers)
-    if plan is None or optimizer is None:
-        return None
+    if optimizer is None:
+        kinds = ", ".join(type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers)
+        return None, f"the estimator knows Adam(W) and SGD, not {kinds or 'no optimizer'}"
     from fsdp_strategy.estimate import estimate_module
 
     estimate = estimate_module(
@@ -273,7 +279,7 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> dict[str, 
         processes_per_node=plan["processes_per_node"],
         accumulate_grad_batches=trainer.accumulate_grad_batches,
     )
-    return {
+    figures = {
         "strategy": plan["strategy"],
         "all_gather_bytes": float(estimate.all_gather_bytes),
         "reduce_scatter_bytes": float(estimate.reduce_scatter_bytes),
@@ -281,6 +287,7 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> dict[str, 
         "sent_bytes": float(estimate.sent_bytes),
         "estimated_model_state_bytes": float(estimate.model_state_bytes),
     }
+    return figures, ""
 
 
 # --- from per-rank rows to a summary --------------------------------------------------------------
@@ -528,7 +535,7 @@ class ShardingMonitor(Callback):
         self._validation_seconds = 0.0
         self._validation_start: Any = None
         self._state_bytes = math.nan
-        self._communication: dict[str, float] | None = None
+        self._communication: dict[str, Any] | None = None
         self._communication_note = ""
 
     # --- hooks ---
@@ -549,9 +556,7 @@ class ShardingMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step = self._last_step = trainer.global_step  # not 0 when resuming
         try:
-            self._communication = communication_estimate(trainer, pl_module)
-            if self._communication is None:
-                self._communication_note = f"no sharding plan known for {type(trainer.strategy).__name__}"
+            self._communication, self._communication_note = communication_estimate(trainer, pl_module)
         except Exception as error:  # a monitor must not stop training
             self._communication_note = f"estimate failed: {error}"
             rank_zero_warn(f"ShardingMonitor: the communication estimate failed: {error}")
