@@ -406,8 +406,8 @@ def _estimate_groups(
 
 
 def _all_gather_bytes(sizes: list[_Sizes], groups: list[_Group], strategy: str, accumulate: int) -> int:
-    # With resharding after forward, every unit but the root is gathered again in backward; every
-    # micro-batch gathers anew.
+    # Blocks are gathered in forward and, when resharded after it, again in backward; the root see
+    # _ROOT_GATHERS_PER_MICRO_BATCH. Every micro-batch gathers anew.
     root = sum(s.gathered for s, g in zip(sizes, groups) if g.is_root)
     blocks = sum(s.gathered for s, g in zip(sizes, groups) if not g.is_root)
     per_micro_batch = root * _ROOT_GATHERS_PER_MICRO_BATCH + blocks * (1 if strategy == "fsdp2_grad_op" else 2)
