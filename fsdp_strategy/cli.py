@@ -92,6 +92,66 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _benchmark(args: argparse.Namespace) -> int:
+    from fsdp_strategy.benchmark import run
+    from fsdp_strategy.estimate import parse_init_args, parse_world_sizes
+
+    try:
+        run.run_benchmark(
+            model=args.model,
+            init_args=None if args.init_args is None else parse_init_args(args.init_args),
+            size=args.size,
+            strategies=run.parse_strategies(args.strategies),
+            world_sizes=parse_world_sizes(args.world_sizes),
+            precision=args.precision,
+            steps=args.steps,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            vocab_size=args.vocab_size,
+            out=args.out,
+            progress=args.progress,
+        )
+    except (ImportError, TypeError, ValueError) as exc:  # a bad option or model, a missing extra
+        print(f"fsdp-strategy benchmark: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a run failed; its output ends the message
+        print(f"fsdp-strategy benchmark: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_benchmark_parser(commands: argparse._SubParsersAction) -> None:
+    from fsdp_strategy.benchmark.gpt import GPT_SIZES
+
+    parser = commands.add_parser(
+        "benchmark",
+        help="train one model under several strategies and world sizes on CPU; compare memory and speed",
+        description="Runs each (strategy, world size, repeat) as a fresh torchrun job on CPU (gloo, one thread per"
+        " rank), repeats interleaved, and writes results.csv, results.json and plot.png to --out. Needs the"
+        " 'benchmarks' extra: pip install 'fsdp-strategy[benchmarks]'.",
+    )
+    model = parser.add_argument_group("model (default: the example GPT, --size small)")
+    model.add_argument("--model", metavar="MODULE:Class", help="a LightningModule whose forward maps token ids"
+                       " (batch, seq) to logits (batch, seq, vocab)")
+    model.add_argument("--init-args", metavar="JSON", help="the --model's constructor arguments, a JSON object")
+    model.add_argument("--size", help=f"the example GPT's size: {', '.join(GPT_SIZES)} (0.12M, 11M, 25M, 116M parameters)")
+    parser.add_argument("--strategies", default="ddp,fsdp2,fsdp2_grad_op,model_parallel,raw_fsdp2",
+                        help="comma-separated (default: all of them)")
+    parser.add_argument("--world-sizes", default="2", help="comma-separated numbers of CPU processes (default: 2)")
+    parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed (default: 32-true)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default: 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default: 5)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default: 3)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    parser.add_argument("--vocab-size", type=int, default=256, help="token ids are drawn below this (default: 256)")
+    parser.add_argument("--out", default="benchmark_results", help="output directory (default: benchmark_results)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.set_defaults(run=_benchmark)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-strategy", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -107,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
     consolidate.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     consolidate.set_defaults(run=_consolidate)
+    _add_benchmark_parser(commands)
     _add_estimate_parser(commands)
     return parser
 
