@@ -1,15 +1,18 @@
 """Step time of ``"fsdp2_hybrid"`` over ``"fsdp2"`` on a simulated cluster of 2 nodes x 2 processes.
 
-    OMP_NUM_THREADS=1 python benchmarks/multinode_step_time.py --pairs 5
+    OMP_NUM_THREADS=1 python benchmarks/multinode_step_time.py --jobs 2 --pairs 5
 
-Each run is a 2-node job on this machine: two torchrun invocations (``--nnodes 2 --node-rank 0/1
---nproc-per-node 2``, static rendezvous on 127.0.0.1), every rank running ``Trainer(num_nodes=2,
-devices=2, strategy=...)`` on the same model, initial weights and batches (``benchmarks/_model.py``,
-fp32, AdamW, gloo). ``"fsdp2"`` shards over all 4 ranks (1-D mesh); ``"fsdp2_hybrid"`` shards within a
-node and replicates across the two (mesh ``(dp_replicate=2, dp_shard=2)``). Runs come in pairs, one of
-each strategy, the order alternating from pair to pair. Each run reports rank 0's median step (time
-between consecutive batch starts) in wall and in CPU time; the headline is the median over pairs of the
-per-pair ratio hybrid / fsdp2. Results go to ``benchmarks/results/multinode_step_time.json``.
+Each job is a 2-node job on this machine: two torchrun invocations (``--nnodes 2 --node-rank 0/1
+--nproc-per-node 2``, static rendezvous on 127.0.0.1). Its ranks run ``--pairs`` pairs of fits, one
+``Trainer(num_nodes=2, devices=2, strategy=...)`` per fit, one fit of each strategy per pair, the order
+alternating from pair to pair (and from job to job), all on the same model, initial weights and
+batches (``benchmarks/_model.py``, fp32, AdamW, gloo). Fits in one job share its processes, so the pairs
+are seconds apart and a change in the machine's load falls on both sides alike. ``"fsdp2"`` shards over
+all 4 ranks (1-D mesh); ``"fsdp2_hybrid"`` shards within a node and replicates across the two (mesh
+``(dp_replicate=2, dp_shard=2)``). Each fit reports rank 0's median step (time between consecutive batch
+starts) in wall and in CPU time; the headline is the median over all pairs of the per-pair ratio
+hybrid / fsdp2. ``--jobs 10 --pairs 1`` gives one fresh job per pair instead. Results go to
+``benchmarks/results/multinode_step_time.json``.
 
 On one machine the "inter-node" traffic goes over loopback like the rest, so the ratio reflects the
 number and size of the collectives each layout issues, not a network.
@@ -39,7 +42,8 @@ MODEL_OPTIONS = {"--n-layer": 4, "--n-head": 4, "--n-embd": 96, "--seq-len": 64,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--jobs", type=int, default=2, help="fresh 2-node jobs, one after the other")
+    p.add_argument("--pairs", type=int, default=5, help="pairs of fits (one per strategy) in each job")
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -48,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(option, type=int, default=default)
     p.add_argument("--run-timeout", type=float, default=900, help="seconds before a job is killed")
     p.add_argument("--out", type=Path, default=HERE / "results" / "multinode_step_time.json")
-    p.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)  # set by the driver for each rank
+    # Set by the driver for each rank: the strategies to fit in turn, comma-separated.
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -56,13 +61,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(HERE))  # step_time.py and _model.py
+    records = [time_one_fit(strategy, args) for strategy in args.worker.split(",")]
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(records))
+
+
+def time_one_fit(strategy: str, args: argparse.Namespace) -> dict:
+    """One ``Trainer.fit``; rank 0's step times and the other ranks' median steps."""
     import lightning as L
     import torch
     import torch.distributed as dist
 
     import fsdp_strategy  # noqa: F401  (registers the strategy names)
 
-    sys.path.insert(0, str(HERE))
     from _model import MODEL_SOURCE, build_model
     from step_time import StepClock, model_kwargs, token_loader, total_steps
 
@@ -82,7 +96,7 @@ def run_worker(args: argparse.Namespace) -> None:
         accelerator="cpu",
         num_nodes=NODES,
         devices=args.nproc_per_node,
-        strategy=args.worker,
+        strategy=strategy,
         max_steps=total_steps(args),
         logger=False,
         enable_checkpointing=False,
@@ -96,16 +110,14 @@ def run_worker(args: argparse.Namespace) -> None:
     summary = clock.summary(args.warmup, args.steps)
     medians: list = [None] * world
     dist.all_gather_object(medians, summary["median_s"])
-    if rank == 0:
-        record = {
-            "strategy": args.worker,
-            "mesh_shape": list(trainer.strategy.device_mesh.shape),
-            "median_per_rank_s": medians,
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "model_source": MODEL_SOURCE,
-            **summary,
-        }
-        Path(args.out).write_text(json.dumps(record))
+    return {
+        "strategy": strategy,
+        "mesh_shape": list(trainer.strategy.device_mesh.shape),
+        "median_per_rank_s": medians,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "model_source": MODEL_SOURCE,
+        **summary,
+    }
 
 
 # --- the driver --------------------------------------------------------------------------------------------------
@@ -123,8 +135,9 @@ def worker_options(args: argparse.Namespace) -> list[str]:
     return [str(item) for pair in options.items() for item in pair]
 
 
-def launch_job(strategy: str, args: argparse.Namespace) -> dict:
-    """One 2-node job: both torchrun invocations at once; returns rank 0's record."""
+def launch_job(strategies: list[str], args: argparse.Namespace) -> list[dict]:
+    """One 2-node job fitting ``strategies`` in turn: both torchrun invocations at once; returns rank 0's
+    record of each fit."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -133,7 +146,7 @@ def launch_job(strategy: str, args: argparse.Namespace) -> dict:
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(node),
                 "--nproc-per-node", str(args.nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                str(Path(__file__).resolve()), "--worker", strategy, "--out", str(out), *worker_options(args),
+                str(Path(__file__).resolve()), "--worker", ",".join(strategies), "--out", str(out), *worker_options(args),
             ]
             log = open(Path(tmp) / f"node{node}.log", "w+")
             logs.append(log)
@@ -153,7 +166,7 @@ def launch_job(strategy: str, args: argparse.Namespace) -> dict:
             for node, log in enumerate(logs):
                 log.seek(0)
                 sys.stderr.write(f"--- node {node} ---\n" + "\n".join(log.read().splitlines()[-30:]) + "\n")
-            raise RuntimeError(f"the {strategy} job failed: exit codes {[p.returncode for p in procs]}")
+            raise RuntimeError(f"the job {','.join(strategies)} failed: exit codes {[p.returncode for p in procs]}")
         for log in logs:
             log.close()
         return json.loads(out.read_text())
@@ -202,13 +215,17 @@ def main() -> None:
     import lightning
 
     pairs = []
-    for index in range(args.pairs):
-        order = STRATEGIES if index % 2 == 0 else STRATEGIES[::-1]
-        pair = {strategy: launch_job(strategy, args) for strategy in order}
-        pairs.append(pair)
-        print(f"pair {index + 1}/{args.pairs} ({', '.join(order)}): "
-              + ", ".join(f"{s} {1e3 * pair[s]['median_s']:.1f} ms (cpu {1e3 * pair[s]['median_cpu_s']:.1f})" for s in STRATEGIES),
-              flush=True)
+    for job in range(args.jobs):
+        orders = [STRATEGIES if (job * args.pairs + index) % 2 == 0 else STRATEGIES[::-1] for index in range(args.pairs)]
+        started = time.monotonic()
+        records = launch_job([strategy for order in orders for strategy in order], args)
+        for index in range(args.pairs):
+            pair = {record["strategy"]: record for record in records[2 * index : 2 * index + 2]}
+            pairs.append(pair)
+            print(f"job {job + 1}/{args.jobs}, pair {index + 1}/{args.pairs} ({', '.join(orders[index])}): "
+                  + ", ".join(f"{s} {1e3 * pair[s]['median_s']:.1f} ms (cpu {1e3 * pair[s]['median_cpu_s']:.1f})"
+                              for s in STRATEGIES), flush=True)
+        print(f"job {job + 1}/{args.jobs} took {time.monotonic() - started:.0f} s", flush=True)
     losses = {s: [pair[s]["loss_last_timed"] for pair in pairs] for s in STRATEGIES}
     summary = summarize(pairs)
     record = {

@@ -1,9 +1,10 @@
-"""A 2-node job on one machine: two launches (``--nnodes 2 --node-rank 0/1``, 2 processes each) that
-rendezvous on 127.0.0.1, training ``"ddp"``, ``"fsdp2"`` and ``"fsdp2_hybrid"`` in turn.
+"""A 2-node job on one machine: two torchrun invocations (``--nnodes 2 --node-rank 0/1``, 2 processes
+each) that rendezvous on 127.0.0.1, training ``"ddp"``, ``"fsdp2"`` and ``"fsdp2_hybrid"`` in turn.
 
 One job serves most tests (starting 4 processes on a small machine costs far more than training the
 tiny model): ``"ddp"`` on the same 4 ranks is the reference for parity, and every rank reports what it
-was told about the job (see ``integration_tests/multinode_worker.py``).
+was told about the job (see ``integration_tests/multinode_worker.py``). Two more jobs start the same
+worker with Lightning's launcher and as SLURM's srun would, for ``"fsdp2_hybrid"`` only.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def torchrun_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
-# --- checks shared by the torchrun and the Lightning-launcher jobs --------------------------------------------
+# --- checks made on every launcher's job -----------------------------------------------------------------------
 
 
 def assert_topology(ranks: dict[tuple[int, int], dict], strategy: str) -> None:
