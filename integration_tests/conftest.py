@@ -116,24 +116,6 @@ def lightning_nodes(module: str, args: list[str], *, nnodes: int, devices: int, 
     return run_nodes([command] * nnodes, cwd=cwd, envs=envs, timeout=timeout)
 
 
-def srun_nodes(module: str, args: list[str], *, nnodes: int, ntasks_per_node: int, cwd: Path, timeout: float = 300) -> list[str]:
-    """The job as SLURM's ``srun`` starts it: every task is a process of its own with the ``SLURM_*``
-    variables srun sets (no ``LOCAL_RANK``), so Lightning picks ``SLURMEnvironment``. The main address
-    comes from ``SLURM_NODELIST``; returns each task's output."""
-    port, tasks = free_port(), range(nnodes * ntasks_per_node)
-    slurm = {
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port),
-        "SLURM_NNODES": str(nnodes), "SLURM_NTASKS": str(len(tasks)), "SLURM_NTASKS_PER_NODE": str(ntasks_per_node),
-    }
-    base = {k: v for k, v in _environment().items() if k not in ("LOCAL_RANK", "RANK", "MASTER_ADDR")}
-    envs = [
-        {**base, **slurm, "SLURM_PROCID": str(task), "SLURM_NODEID": str(task // ntasks_per_node), "SLURM_LOCALID": str(task % ntasks_per_node)}
-        for task in tasks
-    ]
-    command = [sys.executable, "-m", module, *args, "--devices", str(ntasks_per_node)]
-    return run_nodes([command] * len(tasks), cwd=cwd, envs=envs, timeout=timeout, nodes=[t // ntasks_per_node for t in tasks])
-
-
 def _environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 

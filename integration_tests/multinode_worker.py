@@ -1,8 +1,7 @@
 """One rank of a simulated multi-node job: trains each strategy in turn and writes what this rank saw.
 
 Each node is started in a directory of its own (``node0/``, ``node1/``: see ``conftest.run_nodes``), by
-torchrun (``--nnodes 2 --node-rank R``), by Lightning's launcher (``NODE_RANK=R``, ``--devices``) or as
-srun starts SLURM tasks (``SLURM_PROCID``, ``SLURM_NODEID``, ``SLURM_LOCALID``, ``--devices``). Every
+torchrun (``--nnodes 2 --node-rank R``) or by Lightning's launcher (``NODE_RANK=R``, ``--devices``). Every
 rank writes ``{strategy}.{node dir}.local{LOCAL_RANK}.pt`` to ``--out-dir``: the topology as the Trainer,
 the strategy and the sampler report it, the sample indices it trained on, and how much model state it
 holds; global rank 0 adds the final full parameters. The file names come from the launch, not from
@@ -136,9 +135,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args()
 
-    # Lightning's launcher sets LOCAL_RANK only in the processes it starts (its own is local rank 0);
-    # srun sets SLURM_LOCALID instead.
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    # Lightning's launcher sets LOCAL_RANK only in the processes it starts; its own process is local rank 0.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     devices = args.devices or int(os.environ["LOCAL_WORLD_SIZE"])
     launch_dir = Path.cwd()
     for strategy in args.strategies.split(","):

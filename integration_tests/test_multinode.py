@@ -3,8 +3,8 @@ each) that rendezvous on 127.0.0.1, training ``"ddp"``, ``"fsdp2"`` and ``"fsdp2
 
 One job serves most tests (starting 4 processes on a small machine costs far more than training the
 tiny model): ``"ddp"`` on the same 4 ranks is the reference for parity, and every rank reports what it
-was told about the job (see ``integration_tests/multinode_worker.py``). Two more jobs start the same
-worker with Lightning's launcher and as SLURM's srun would, for ``"fsdp2_hybrid"`` only.
+was told about the job (see ``integration_tests/multinode_worker.py``). One more job starts the same
+worker with Lightning's launcher, for ``"fsdp2_hybrid"`` only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from integration_tests.conftest import lightning_nodes, max_relative_difference, run_nodes, srun_nodes, torchrun_nodes
+from integration_tests.conftest import lightning_nodes, max_relative_difference, run_nodes, torchrun_nodes
 from integration_tests.multinode_worker import BATCH_SIZE, EPOCHS, SAMPLES
 
 NODES, DEVICES = 2, 2
@@ -138,21 +138,16 @@ def test_rank_zero_only_output_and_logger_files(torchrun_job: dict, strategy: st
         assert len(plan_lines) == 1, output[-4000:]
 
 
-# --- the other launchers: one "fsdp2_hybrid" run each --------------------------------------------------------
+# --- Lightning's own launcher: NODE_RANK, MASTER_ADDR and MASTER_PORT set on each node -----------------------
 
 
-@pytest.mark.parametrize("launcher", ["lightning", "srun"])
-def test_other_launchers_on_two_nodes(tmp_path: Path, launcher: str) -> None:
-    """``lightning``: Lightning's own launcher with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set
-    on each node; it starts each node's second process itself and the strategy computes the global
-    ranks. ``srun``: the variables SLURM's srun sets, read by Lightning's ``SLURMEnvironment``."""
+def test_lightning_launcher_on_two_nodes(tmp_path: Path) -> None:
+    """Lightning starts each node's second process itself, and the strategy computes the global ranks
+    from ``NODE_RANK`` (torchrun hands them over ready-made)."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     args = ["--strategies", "fsdp2_hybrid", "--num-nodes", str(NODES), "--out-dir", str(out_dir)]
-    if launcher == "lightning":
-        outputs = lightning_nodes(WORKER, args, nnodes=NODES, devices=DEVICES, cwd=tmp_path, timeout=300)
-    else:
-        outputs = srun_nodes(WORKER, args, nnodes=NODES, ntasks_per_node=DEVICES, cwd=tmp_path, timeout=300)
+    outputs = lightning_nodes(WORKER, args, nnodes=NODES, devices=DEVICES, cwd=tmp_path, timeout=300)
     ranks = load_ranks(out_dir, "fsdp2_hybrid")
     assert_topology(ranks, "fsdp2_hybrid")
     assert_each_sample_once_per_epoch(ranks, "fsdp2_hybrid")
