@@ -1,26 +1,24 @@
 """Step-level paired comparison: every Lightning training step is paired with one raw FSDP2 step.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        benchmarks/paired_steps.py --strategy fsdp2 --raw-plan blocks+root
+        benchmarks/paired_steps.py --strategy fsdp2
 
-``step_time.py`` compares separate launches, which a shared machine's changing load can move by tens of percent.
-Here one process pair runs both sides, interleaved step by step, so a load change hits both sides of a pair:
+``fsdp-strategy benchmark`` compares separate launches, which a shared machine's changing load can move by tens
+of percent. Here one process pair runs both sides, interleaved step by step, so a load change hits both sides of
+a pair:
 
-* the Lightning side: ``Trainer(strategy=...).fit(model)`` (``fsdp2`` or ``model_parallel`` with the hand-written
-  ``configure_model`` of ``step_time.py``);
-* the raw side: a second copy of the model (same initial weights, same data, same AdamW), sharded by hand with
-  ``fully_shard`` and trained by a plain loop, one step of which runs inside a Callback during every Lightning
-  step: at ``on_train_batch_start`` on even steps, at ``on_train_batch_end`` on odd steps (so neither side always
-  runs first).
+* the Lightning side: ``Trainer(strategy=...).fit(model)`` (``fsdp2``, or ``model_parallel`` with the
+  hand-written ``configure_model`` of ``fsdp_strategy/benchmark/worker.py``);
+* the raw side: a second copy of the model (same initial weights, same data, same AdamW), sharded by hand like the
+  benchmark's ``raw_fsdp2`` (each block, then the model) and trained by a plain loop, one step of which runs
+  inside a Callback during every Lightning step: at ``on_train_batch_start`` on even steps, at
+  ``on_train_batch_end`` on odd steps (so neither side always runs first).
 
 A Lightning step's time is the distance between two consecutive ``on_train_batch_start`` minus the raw step that
 ran in between; the raw step's time covers fetching its batch, forward, loss, backward, ``step`` and
 ``zero_grad``. Per-step ratios Lightning/raw are reported as median (and the median difference in ms), for wall
-time and for the CPU time rank 0's process used (``time.process_time()``, all threads).
-
-``--raw-plan`` picks how the raw copy is sharded: ``blocks+root`` (what a user writes: each transformer block,
-then the model) or ``strategy`` (exactly the units ``FSDP2Strategy`` plans, so that only the training loop
-differs). Prints one JSON line; ``--out`` appends it to a file.
+time and for the CPU time rank 0's process used (``time.process_time()``, all threads). Prints one JSON line;
+``--out`` appends it to a file.
 """
 
 from __future__ import annotations
@@ -29,56 +27,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _model import MODEL_SOURCE, BenchModel, build_model, lm_loss, make_optimizer  # noqa: E402
-from step_time import MPBenchModel, token_loader  # noqa: E402
-
-
-def shard_by_hand(model, mesh, plan: str) -> list[str]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    if plan == "blocks+root":
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return [f"blocks.{i}" for i in range(len(model.blocks))] + ["<root>"]
-    from fsdp_strategy.parallelize import apply_fully_shard, plan_units
-    from fsdp_strategy.policy import normalize_policy
-
-    units = plan_units(model, normalize_policy("auto", option="wrap_policy"), mp_policy=MixedPrecisionPolicy(),
-                       keep_norms_fp32=False)
-    apply_fully_shard(model, units, mesh, root_mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                      reshard_after_forward=True)
-    return [u.name for u in units] + ["<root>"]
-
-
-def patch_plan_blocks_only() -> None:
-    """What-if: FSDP2Strategy keeps only the units its wrap policy selects (the repeated blocks)."""
-    import fsdp_strategy.strategy as strategy_module
-    from fsdp_strategy.policy import select_modules
-
-    plan_units = strategy_module.plan_units
-
-    def blocks_only(model, wrap_policy, **kwargs):
-        units = plan_units(model, wrap_policy, **kwargs)
-        if wrap_policy is None:
-            return units
-        selected = {name for name, _ in select_modules(model, wrap_policy)}
-        return [u for u in units if u.name in selected]
-
-    strategy_module.plan_units = blocks_only
+from fsdp_strategy.benchmark.gpt import GPT
+from fsdp_strategy.benchmark.worker import benchmark_class, make_optimizer, next_token_loss, shard_by_hand, token_loader
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", choices=("fsdp2", "model_parallel"), default="fsdp2")
-    p.add_argument("--raw-plan", choices=("blocks+root", "strategy"), default="blocks+root")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -87,11 +47,6 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--log-loss", action="store_true")
-    p.add_argument("--what-if", choices=("none", "blocks-only"), default="none",
-                   help="blocks-only: patch (in this process only) the plan FSDP2Strategy uses so that it shards the"
-                        " policy's blocks and the root, without its extra units for the other direct children;"
-                        " measures a proposed change without editing fsdp_strategy")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -99,11 +54,9 @@ def main() -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import fsdp_strategy  # noqa: F401
-
-    if args.what_if == "blocks-only":
-        patch_plan_blocks_only()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     n_steps = args.warmup + args.steps + 1
@@ -121,8 +74,8 @@ def main() -> None:
 
         def setup(self, trainer, pl_module, stage):  # the process group exists from here on
             torch.manual_seed(0)
-            self.model = build_model(**kwargs)
-            self.units = shard_by_hand(self.model, init_device_mesh("cpu", (world,)), args.raw_plan)
+            self.model = GPT(**kwargs)
+            shard_by_hand(self.model, init_device_mesh("cpu", (world,)), MixedPrecisionPolicy())
             self.optimizer = make_optimizer(self.model)
             self.batches = iter(token_loader(args, rank, world))
             self.model.train()
@@ -130,7 +83,7 @@ def main() -> None:
         def raw_step(self) -> None:
             t0, c0 = time.perf_counter(), time.process_time()
             x, y = next(self.batches)
-            loss = lm_loss(self.model(x), y)
+            loss = next_token_loss(self.model, (x, y))
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad()
@@ -149,15 +102,13 @@ def main() -> None:
             if batch_idx % 2 == 1:
                 self.raw_step()
 
-    if args.strategy == "fsdp2":
-        strategy, cls = "fsdp2", BenchModel
-    else:
+    strategy = args.strategy
+    if strategy == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy, cls = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), MPBenchModel
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     torch.manual_seed(0)
-    model = build_model(**kwargs, cls=cls)
-    model.log_loss = args.log_loss
+    model = benchmark_class(GPT, args.strategy)(**kwargs)
     paired = PairedRawStep()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=n_steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -175,10 +126,7 @@ def main() -> None:
     if rank == 0:
         record = {
             "strategy": args.strategy,
-            "raw_plan": args.raw_plan,
-            "what_if": args.what_if,
-            "raw_units": paired.units,
-            "model_source": MODEL_SOURCE,
+            "model_source": "fsdp_strategy.benchmark.gpt:GPT",
             "median_lightning_ms": 1e3 * statistics.median(lightning),
             "median_raw_ms": 1e3 * statistics.median(raw),
             "median_step_ratio": statistics.median(ratios),

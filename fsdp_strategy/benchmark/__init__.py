@@ -1,0 +1,13 @@
+"""``fsdp-strategy benchmark``: one model under several strategies and world sizes, side by side, on CPU.
+
+* :mod:`~fsdp_strategy.benchmark.gpt`: the example GPT (the default model) and its sizes;
+* :mod:`~fsdp_strategy.benchmark.run`: checks the options, launches the jobs, writes the results;
+* :mod:`~fsdp_strategy.benchmark.worker`: one rank of one job, what it trains and measures;
+* :mod:`~fsdp_strategy.benchmark.report`: medians, ratios, CSV, JSON, the table and the plot.
+
+Needs the ``benchmarks`` extra (matplotlib, tqdm, psutil): ``pip install 'fsdp-strategy[benchmarks]'``.
+"""
+
+from fsdp_strategy.benchmark.run import STRATEGIES, run_benchmark
+
+__all__ = ["STRATEGIES", "run_benchmark"]
