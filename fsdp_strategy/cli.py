@@ -62,8 +62,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
-    from fsdp_strategy.estimate import OPTIMIZERS, STRATEGIES
-    from fsdp_strategy.precision import SUPPORTED_PRECISIONS
+    from fsdp_strategy.estimate import ACCEPTED_PRECISIONS, OPTIMIZERS, STRATEGIES
 
     parser = commands.add_parser(
         "estimate",
@@ -76,7 +75,7 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("target", metavar="MODULE:Class", help="the LightningModule, e.g. examples.gpt:GPT")
     parser.add_argument("--init-args", metavar="JSON", help="constructor arguments, a JSON object")
     parser.add_argument("--world-sizes", default="1,2,4,8", help="comma-separated numbers of ranks (default: 1,2,4,8)")
-    parser.add_argument("--precision", default="32-true", choices=SUPPORTED_PRECISIONS, help="default: 32-true")
+    parser.add_argument("--precision", default="32-true", choices=ACCEPTED_PRECISIONS, help="default: 32-true")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
     parser.add_argument("--budget", help="memory per rank, e.g. 80GiB, 80GB, 512MiB or plain bytes")
     parser.add_argument("--processes-per-node", type=_positive_int, metavar="N",

@@ -47,6 +47,7 @@ from fsdp_strategy.precision import (
 )
 
 __all__ = [
+    "ACCEPTED_PRECISIONS",
     "OPTIMIZERS",
     "RECOMMENDATION_ORDER",
     "STRATEGIES",
@@ -79,6 +80,8 @@ _STEP_COUNTER_BYTES = 4  # Adam's per-parameter fp32 "step" scalar
 _ROOT_GATHERS_PER_MICRO_BATCH = 2
 # The short spellings Lightning still accepts for Trainer(precision=...).
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# What `precision` accepts: the supported precisions, then the aliases (the CLI's choices).
+ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
 _HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -191,16 +194,23 @@ def _check_options(
     _check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
     if processes_per_node is not None:
         _check_positive_int("processes_per_node", processes_per_node)
+    _check_optimizer(optimizer)
+    return canonical_precision(precision)
+
+
+def _check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
-    return canonical_precision(precision)
 
 
 def canonical_precision(precision: str) -> str:
     """``precision`` as one of :data:`SUPPORTED_PRECISIONS` (Lightning's short aliases accepted)."""
     canonical = _PRECISION_ALIASES.get(str(precision), str(precision))
     if canonical not in SUPPORTED_PRECISIONS:
-        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISIONS)}; got {precision!r}.")
+        raise ValueError(
+            f"`precision` must be one of {', '.join(SUPPORTED_PRECISIONS)} (or Lightning's aliases"
+            f" {', '.join(_PRECISION_ALIASES)}); got {precision!r}."
+        )
     return canonical
 
 
@@ -219,10 +229,7 @@ def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) ->
         return (1, world_size), ""
     if processes_per_node is not None:
         if world_size % processes_per_node:
-            raise ValueError(
-                f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
-                " shards within a node and replicates across nodes."
-            )
+            raise ValueError(_node_size_mismatch(processes_per_node, world_size))
         mesh = resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node)
         return mesh, ""
     if world_size % 2 == 0:
@@ -230,6 +237,13 @@ def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) ->
         processes = f"{per_node} process{'es' if per_node > 1 else ''}"
         return (2, per_node), f"assumes 2 nodes of {processes} (set processes_per_node)"
     return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
+
+
+def _node_size_mismatch(processes_per_node: int, world_size: int) -> str:
+    return (
+        f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
+        " shards within a node and replicates across nodes."
+    )
 
 
 # --- what the strategy would shard -----------------------------------------------------------------
@@ -253,8 +267,8 @@ class _Group:
 
 
 def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[_Group]:
-    # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
     """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
+    # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
     low = mixed_precision_policy(precision)
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         # Already sharded: its units are the modules fully_shard was applied to.
@@ -574,27 +588,29 @@ def estimate(
     world_sizes = _check_world_sizes(world_sizes)
     strategies = _check_strategies(strategies)
     precision = canonical_precision(precision)
+    _check_optimizer(optimizer)
+    normalize_policy(wrap_policy, option="wrap_policy")
+    if processes_per_node is not None:
+        _check_positive_int("processes_per_node", processes_per_node)
     model = build_on_meta(load_target(target), init_args or {})
     rows, skipped = [], []
     for world_size in world_sizes:
         for strategy in strategies:
-            try:
-                rows.append(
-                    estimate_module(
-                        model,
-                        strategy=strategy,
-                        world_size=world_size,
-                        precision=precision,
-                        optimizer=optimizer,
-                        processes_per_node=processes_per_node,
-                        wrap_policy=wrap_policy,
-                        accumulate_grad_batches=accumulate_grad_batches,
-                    )
+            if strategy == "fsdp2_hybrid" and processes_per_node is not None and world_size % processes_per_node:
+                skipped.append((strategy, world_size, _node_size_mismatch(processes_per_node, world_size)))
+                continue
+            rows.append(
+                estimate_module(
+                    model,
+                    strategy=strategy,
+                    world_size=world_size,
+                    precision=precision,
+                    optimizer=optimizer,
+                    processes_per_node=processes_per_node,
+                    wrap_policy=wrap_policy,
+                    accumulate_grad_batches=accumulate_grad_batches,
                 )
-            except ValueError as exc:
-                if strategy != "fsdp2_hybrid" or processes_per_node is None:
-                    raise
-                skipped.append((strategy, world_size, str(exc)))  # a node size that does not divide this world
+            )
     recommendations = [] if budget_bytes is None else [recommend(rows, w, budget_bytes) for w in world_sizes]
     return EstimateReport(
         model=class_name(model),
@@ -736,9 +752,12 @@ def _table(report: EstimateReport) -> str:
         f"{report.model}: {report.num_params:,} parameters, precision {report.precision}, optimizer {report.optimizer}",
         "Bytes per rank; communication in full-size bytes per optimizer step.",
     ]
-    for world_size in dict.fromkeys(r.world_size for r in report.rows):
+    # A world size where every strategy was skipped has no rows, only its reasons.
+    world_sizes = sorted({r.world_size for r in report.rows} | {w for _, w, _ in report.skipped})
+    for world_size in world_sizes:
         rows = [r for r in report.rows if r.world_size == world_size]
-        lines += ["", f"world size {world_size}", *_aligned([list(_COLUMNS), *map(_cells, rows)])]
+        lines += ["", f"world size {world_size}"]
+        lines += _aligned([list(_COLUMNS), *map(_cells, rows)]) if rows else []
         lines += [f"  {r.strategy}: {r.note}" for r in rows if r.note]
         lines += [f"  {s}: skipped: {why}" for s, w, why in report.skipped if w == world_size]
     lines += ["", f"* peak: {_PEAK}; activations not included."]

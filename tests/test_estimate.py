@@ -33,6 +33,10 @@ F32 = 4
 STRATEGY_NAMES = "ddp, fsdp2, fsdp2_grad_op, fsdp2_hybrid, fsdp2_offload"
 SIZE_FORMS = "a size like 80GiB, 80GB, 512MiB or 1.5TiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or plain bytes"
 HYBRID_NODES = "fsdp2_hybrid shards within a node and replicates across nodes."
+WRAP_POLICIES = (
+    '"auto", a list of module class names (e.g. ["Block"]), a set of nn.Module classes, a callable'
+    " (name, module) -> bool, a positive int (minimum parameters per unit), or None"
+)
 
 
 def raises(exception: type[Exception], message: str):
@@ -244,7 +248,8 @@ def test_configure_model_runs_on_the_meta_device_too():
         ({"optimizer": "lamb"}, "`optimizer` must be one of adamw, adam, sgd, sgd_momentum, none; got 'lamb'."),
         (
             {"precision": "64-true"},
-            "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true; got '64-true'.",
+            "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true (or Lightning's aliases"
+            " 32, 16, bf16); got '64-true'.",
         ),
         ({"accumulate_grad_batches": 0}, "`accumulate_grad_batches` must be a positive int; got 0."),
         ({"processes_per_node": -2}, "`processes_per_node` must be a positive int; got -2."),
@@ -408,6 +413,20 @@ def test_hybrid_rows_that_do_not_fit_the_node_size_are_skipped_with_the_reason()
     assert report.skipped == [
         ("fsdp2_hybrid", 3, f"`processes_per_node=2` must divide the world size 3: {HYBRID_NODES}")
     ]
+    # World size 3 has no rows at all, yet the table names it and why it was skipped.
+    lines = report.table().splitlines()
+    assert lines[lines.index("world size 3") + 1] == (
+        f"  fsdp2_hybrid: skipped: `processes_per_node=2` must divide the world size 3: {HYBRID_NODES}"
+    )
+
+
+def test_hybrid_with_a_node_size_still_rejects_bad_options():
+    with raises(ValueError, "`optimizer` must be one of adamw, adam, sgd, sgd_momentum, none; got 'lion'."):
+        estimate(Net, world_sizes=[2, 3], strategies=["fsdp2_hybrid"], processes_per_node=2, optimizer="lion")
+    with raises(ValueError, f"`wrap_policy` must be {WRAP_POLICIES}; got the empty string."):
+        estimate(Net, world_sizes=[3], strategies=["fsdp2_hybrid"], processes_per_node=2, wrap_policy="")
+    with raises(ValueError, "`processes_per_node` must be a positive int; got 0."):
+        estimate(Net, world_sizes=[2], strategies=["fsdp2_hybrid"], processes_per_node=0)
 
 
 # --- the command ---------------------------------------------------------------------------------------
@@ -461,6 +480,12 @@ def test_command_import_error_exits_with_2(capsys):
         "fsdp-strategy estimate: error: Could not import 'no_such_package.models' for 'no_such_package.models:Model':"
         " No module named 'no_such_package'. MODULE must be importable from the current directory or the Python path.\n"
     )
+
+
+def test_command_accepts_lightnings_precision_aliases(capsys):
+    argv = ["estimate", "integration_tests.models:TinyLM", "--world-sizes", "2", "--strategies", "fsdp2"]
+    assert main([*argv, "--precision", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "bf16-mixed"
 
 
 def test_command_rejects_an_unknown_precision(capsys):
