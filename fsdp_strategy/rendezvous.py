@@ -28,6 +28,8 @@ __all__ = ["Member", "Membership", "PeerLostError", "join"]
 
 _PREFIX = "fsdp_strategy"
 _ROSTER_POLL_SECONDS = 0.2
+# A live rank on a loaded machine can miss a beat or two; a shorter window would call it lost.
+_MIN_DIAGNOSIS_WINDOW = 3.0
 
 
 class PeerLostError(RuntimeError):
@@ -60,36 +62,51 @@ class Membership:
         self.interval = interval
         self.store_owner, self.store_gone = _store_owner(agent_store)
         self.step = 0  # written by the training thread, read by the heartbeat
+        self.window = max(2.5 * interval, _MIN_DIAGNOSIS_WINDOW)
         self._store = store
+        self._probe: dist.Store | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        # The heartbeat talks over its own connection: one TCPStore client is not shared across threads.
+        """Starts (or restarts, after :meth:`stop`) the heartbeat thread."""
+        if self._thread is not None and self._thread.is_alive() and not self._stop.is_set():
+            return
+        self.stop()
+        self._stop = threading.Event()
+        # Connections are opened now, while the store is alive: connecting to a dead store retries until the
+        # full timeout. One TCPStore client is not shared across threads, so the heartbeat has its own.
+        short = timedelta(seconds=max(2.0, 2 * self.interval))
+        self._probe = self._store.clone()
+        self._probe.set_timeout(short)
         store = self._store.clone()
-        self._thread = threading.Thread(target=self._beat, args=(store,), name="fsdp2-heartbeat", daemon=True)
+        store.set_timeout(short)
+        self._thread = threading.Thread(target=self._beat, args=(store, self._stop), name="fsdp2-heartbeat", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=4 * self.interval + 2)  # at most one store call with the short timeout
 
-    def _beat(self, store: dist.Store) -> None:
-        while not self._stop.is_set():
+    def _beat(self, store: dist.Store, stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
                 store.add(f"heartbeat/{self.me.rank}", 1)
                 store.set(f"step/{self.me.rank}", str(self.step))
             except Exception:  # the store host is gone; diagnose() reports it
                 return
-            self._stop.wait(self.interval)
+            stop.wait(self.interval)
 
     def diagnose(self) -> str:
         """Which ranks stopped beating over the next few intervals, and where the live ones are."""
         others = [rank for rank in self.members if rank != self.me.rank]
+        store = self._probe
+        if store is None:
+            return "The heartbeats were not running, so the lost rank cannot be told."
         try:
-            store = self._store.clone()
-            store.set_timeout(timedelta(seconds=max(2.0, 2 * self.interval)))
             before = _counters(store, others)
-            time.sleep(2.5 * self.interval)
+            time.sleep(self.window)
             after = _counters(store, others)
             steps = {rank: _read_int(store, f"step/{rank}") for rank in others}
         except Exception as exc:
@@ -116,7 +133,7 @@ class Membership:
         return (
             f"Lost {len(lost)} of {len(self.members)} ranks: "
             + "; ".join(self.members[rank].describe() for rank in lost)
-            + f" stopped responding (no heartbeat for {2.5 * self.interval:.1f} s).{node_note}"
+            + f" stopped responding (no heartbeat for {self.window:.1f} s).{node_note}"
         )
 
 
@@ -241,7 +258,8 @@ def is_communication_failure(exception: BaseException) -> bool:
     if isinstance(exception, dist.DistError):
         return True
     text = str(exception)
-    markers = ("gloo", "Connection reset", "Connection closed", "Connection refused", "NCCL", "Timed out", "timed out")
+    # Transport names only: a bare "timed out" also comes from DataLoader workers and user code.
+    markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "Connection refused", "recv operation", "send operation")
     return isinstance(exception, RuntimeError) and any(marker in text for marker in markers)
 
 

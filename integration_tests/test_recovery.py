@@ -6,10 +6,8 @@ The restart tests run under ``torchrun --max-restarts 1``. The lost-peer tests s
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -71,9 +69,9 @@ def _by_hand(tmp_path: Path, world_size: int, ranks: list[int], port: int, *extr
     return procs
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     output, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, " ".join(output.split()), time.time()
+    return proc.returncode, " ".join(output.split())
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:
@@ -83,25 +81,23 @@ def _stop(procs: dict[int, subprocess.Popen]) -> None:
             proc.communicate()
 
 
-def test_a_dead_peer_is_named_by_the_survivor_within_the_timeout(tmp_path: Path) -> None:
+def test_a_dead_peer_is_named_by_the_survivor(tmp_path: Path) -> None:
     procs = _by_hand(tmp_path, 2, [0, 1], free_port(), "--timeout", "10", "--kill-at-step", "3")
     try:
-        code, output, ended = _finish(procs[0], timeout=300)
+        code, output = _finish(procs[0], timeout=300)
     finally:
         _stop(procs)
-    killed = json.loads((tmp_path / "run.killed").read_text())
+    assert (tmp_path / "run.killed").exists()
     assert code != 0
     assert "FSDP2Strategy: a collective failed. Lost 1 of 2 ranks: rank 1 (node 1, local rank 0, host" in output, output[-3000:]
     assert "Every rank of node 1 is gone: that node was probably lost." in output
     assert "with `torchrun --max-restarts N` and `trainer.fit(..., ckpt_path=\"last\")`" in output
-    # The transport notices a closed connection at once; the diagnosis adds a few heartbeats.
-    assert ended - killed["time"] < 10 + 20
 
 
 def test_a_stuck_peer_fails_the_others_after_the_timeout_naming_who_is_behind(tmp_path: Path) -> None:
     procs = _by_hand(tmp_path, 2, [0, 1], free_port(), "--timeout", "5", "--hang-at-step", "3")
     try:
-        code, output, _ = _finish(procs[0], timeout=300)
+        code, output = _finish(procs[0], timeout=300)
     finally:
         _stop(procs)
     assert code != 0
@@ -113,8 +109,8 @@ def test_ranks_that_never_arrive_are_named(tmp_path: Path) -> None:
     lonely_rank0 = _by_hand(tmp_path / "a", 2, [0], free_port(), "--timeout", "5")
     lonely_rank1 = _by_hand(tmp_path / "b", 2, [1], free_port(), "--timeout", "5")
     try:
-        code0, output0, _ = _finish(lonely_rank0[0], timeout=300)
-        code1, output1, _ = _finish(lonely_rank1[1], timeout=300)
+        code0, output0 = _finish(lonely_rank0[0], timeout=300)
+        code1, output1 = _finish(lonely_rank1[1], timeout=300)
     finally:
         _stop(lonely_rank0)
         _stop(lonely_rank1)

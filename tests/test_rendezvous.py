@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from fsdp_strategy import rendezvous
 from fsdp_strategy.rendezvous import Member, Membership, PeerLostError
+from tests.conftest import free_port
 
 
 def _member(rank: int, node_rank: int) -> Member:
@@ -48,12 +49,20 @@ def test_the_roster_returns_every_member_once_all_have_joined() -> None:
 def test_a_peer_without_heartbeat_is_reported_lost_with_its_node() -> None:
     membership = _membership(dist.HashStore(), ranks=3, per_node=2)
     membership.members[2] = _member(2, 1)
-    message = membership.diagnose()
+    membership.start()
+    try:
+        message = membership.diagnose()
+    finally:
+        membership.stop()
     assert message == (
         "Lost 2 of 3 ranks: rank 1 (node 0, local rank 1, host host-a, pid 101); rank 2 (node 1, local rank 0,"
-        " host host-a, pid 102) stopped responding (no heartbeat for 0.1 s). Every rank of node 1 is gone: that"
+        " host host-a, pid 102) stopped responding (no heartbeat for 3.0 s). Every rank of node 1 is gone: that"
         " node was probably lost."
     )
+
+
+def test_without_heartbeats_the_diagnosis_says_it_cannot_tell() -> None:
+    assert _membership(dist.HashStore()).diagnose() == "The heartbeats were not running, so the lost rank cannot be told."
 
 
 def test_live_peers_are_told_apart_by_their_global_step() -> None:
@@ -64,29 +73,37 @@ def test_live_peers_are_told_apart_by_their_global_step() -> None:
     peer.me = peer.members[1]
     peer.step = 3
     peer.start()
+    membership.start()
     try:
         message = membership.diagnose()
     finally:
         peer.stop()
+        membership.stop()
     assert message == (
         "Every rank is still alive, so one of them did not reach the same collective in time (stuck, much slower,"
         " or on a different code path). Global step per rank: rank 0: 5, rank 1: 3. Rank 1 is behind."
     )
 
 
-def test_a_vanished_store_means_its_host_was_lost() -> None:
+def test_a_vanished_store_means_its_host_was_lost_and_is_told_at_once() -> None:
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=2))
+    # A long timeout, like the strategy's default: reconnecting to a dead store would wait all of it.
+    client = dist.TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=600))
     membership = _membership(client)
+    membership.start()
     del server
-    assert membership.diagnose() == (
+    started = time.monotonic()
+    message = membership.diagnose()
+    membership.stop()
+    assert time.monotonic() - started < 60
+    assert message == (
         "The rendezvous store of rank 0 (node 0) cannot be reached any more (DistNetworkError): rank 0 hosts it,"
         " so rank 0 (node 0) was lost."
     )
 
 
 def test_an_unreachable_store_names_its_address_and_what_to_check() -> None:
-    port = _unused_port()
+    port = free_port()
     with pytest.raises(PeerLostError) as error:
         rendezvous._connect("127.0.0.1", port, _member(1, 1), 2, timedelta(seconds=1), host=False, agent_store=False)
     assert re.fullmatch(
@@ -100,12 +117,6 @@ def test_an_unreachable_store_names_its_address_and_what_to_check() -> None:
     )
 
 
-def _unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_the_heartbeat_counts_up_and_stops() -> None:
     store = dist.HashStore()
     membership = _membership(store, interval=0.02)
@@ -113,15 +124,23 @@ def test_the_heartbeat_counts_up_and_stops() -> None:
     membership.start()
     threading.Event().wait(0.2)
     membership.stop()
-    assert store.add("heartbeat/0", 0) >= 2
+    beats = store.add("heartbeat/0", 0)
+    assert beats >= 2
     assert store.get("step/0") == b"9"
+    threading.Event().wait(0.1)
+    assert store.add("heartbeat/0", 0) == beats  # stopped
+    membership.start()  # a later fit restarts it
+    threading.Event().wait(0.1)
+    membership.stop()
+    assert store.add("heartbeat/0", 0) > beats
 
 
 @pytest.mark.parametrize(
     ("exception", "expected"),
     [
         (RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"), True),
-        (RuntimeError("Timed out waiting 5000ms for recv operation to complete"), True),
+        (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation"), True),
+        (RuntimeError("DataLoader timed out after 30 seconds"), False),
         (dist.DistBackendError("NCCL error"), True),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
         (ValueError("Connection reset"), False),
