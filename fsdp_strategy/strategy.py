@@ -297,8 +297,11 @@ class FSDP2Strategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
+        self._peer_lost = False
         if not _distributed_is_initialized():
             self._membership = self._join_process_group(backend)
+        elif self._membership is not None:  # a later fit/validate/test with the same strategy
+            self._membership.start()
         self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -320,9 +323,14 @@ class FSDP2Strategy(ParallelStrategy):
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
         if backend == "nccl":
-            atexit.register(_destroy_dist_connection)  # torch warns about NCCL groups left at exit
+            atexit.register(self._destroy_process_group_at_exit)
         rank_zero_info(f"{type(self).__name__}: {self.world_size} processes joined ({backend}).")
         return membership
+
+    def _destroy_process_group_at_exit(self) -> None:
+        # torch warns about NCCL groups left at exit; with a peer gone, destroying one could block instead.
+        if not self._peer_lost:
+            _destroy_dist_connection()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
