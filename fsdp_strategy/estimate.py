@@ -170,7 +170,7 @@ def estimate_module(
     )
     mesh, note = _mesh_for(strategy, world_size, processes_per_node)
     if strategy == "ddp":
-        groups = [_Group(_param_infos(_unique_parameters(module), precision, mixed_precision_policy(precision)))]
+        groups = [_Group(_param_infos(unique_parameters(module), precision, mixed_precision_policy(precision)))]
     else:
         groups = _unit_groups(module, precision, wrap_policy)
     return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulate_grad_batches, note)
@@ -302,7 +302,8 @@ def _assign_parameters(module: nn.Module, unit_ids: list[int]) -> dict[int, list
     return owners
 
 
-def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters, a tied one once."""
     return list({id(p): p for p in module.parameters()}.values())
 
 
@@ -614,7 +615,7 @@ def estimate(
     recommendations = [] if budget_bytes is None else [recommend(rows, w, budget_bytes) for w in world_sizes]
     return EstimateReport(
         model=class_name(model),
-        num_params=sum(p.numel() for p in _unique_parameters(model)),
+        num_params=sum(p.numel() for p in unique_parameters(model)),
         precision=precision,
         optimizer=optimizer,
         budget=budget_bytes,

@@ -44,7 +44,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_strategy.strategy import FSDP2Strategy
+from fsdp_strategy.estimate import Estimate, estimate_module, format_bytes, unique_parameters
+from fsdp_strategy.strategy import FSDP2Strategy, _check_positive_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -142,7 +143,7 @@ def model_state_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]
     """Bytes this rank holds of parameters, their gradients and optimizer state (local shards only).
 
     Tied parameters count once."""
-    params = list({id(p): p for p in module.parameters()}.values())
+    params = unique_parameters(module)
     total = sum(_local_bytes(p) for p in params)
     total += sum(_local_bytes(p.grad) for p in params if p.grad is not None)
     for optimizer in optimizers:
@@ -218,7 +219,11 @@ def peak_flops_per_device(device: torch.device, precision: str, peak_tflops: flo
 
 
 def plan_of(strategy: Any) -> dict[str, Any] | None:
-    """The estimator's description of a Trainer strategy, or ``None`` when it has none."""
+    """The estimator's description of a Trainer strategy, or ``None`` when it has none.
+
+    Any replicated mesh is estimated as ``fsdp2_hybrid``, which reshards after forward: with
+    ``reshard_after_forward=False`` the figures are an approximation (the blocks are gathered once
+    per micro-batch, not twice, and stay gathered until backward)."""
     if isinstance(strategy, FSDP2Strategy):
         replicate, shard = strategy.mesh_shape()
         if isinstance(strategy._offload_policy, CPUOffloadPolicy):
@@ -268,8 +273,6 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict
     if optimizer is None:
         kinds = ", ".join(type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers)
         return None, f"the estimator knows Adam(W) and SGD, not {kinds or 'no optimizer'}"
-    from fsdp_strategy.estimate import estimate_module
-
     estimate = estimate_module(
         module,
         strategy=plan["strategy"],
@@ -279,15 +282,20 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict
         processes_per_node=plan["processes_per_node"],
         accumulate_grad_batches=trainer.accumulate_grad_batches,
     )
-    figures = {
-        "strategy": plan["strategy"],
+    return estimate_figures(estimate), ""
+
+
+def estimate_figures(estimate: Estimate) -> dict[str, Any]:
+    """The estimate's communication per step and the model state per rank, wherever it is kept:
+    ``fsdp2_offload`` keeps it in host memory, and the measured state counts it there too."""
+    return {
+        "strategy": estimate.strategy,
         "all_gather_bytes": float(estimate.all_gather_bytes),
         "reduce_scatter_bytes": float(estimate.reduce_scatter_bytes),
         "all_reduce_bytes": float(estimate.all_reduce_bytes),
         "sent_bytes": float(estimate.sent_bytes),
-        "estimated_model_state_bytes": float(estimate.model_state_bytes),
+        "estimated_model_state_bytes": float(estimate.model_state_bytes + estimate.host_bytes),
     }
-    return figures, ""
 
 
 # --- from per-rank rows to a summary --------------------------------------------------------------
@@ -342,12 +350,7 @@ def _max(ranks: list[dict[str, Any]], field: str) -> float | None:
 
 
 def _bytes(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", MiB), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:,.1f} {unit}"
-    return f"{value:,.0f} B"
+    return "n/a" if value is None else format_bytes(value)
 
 
 def _number(value: float | None, digits: int = 1) -> str:
@@ -745,9 +748,3 @@ def _nanmax(a: float, b: float) -> float:
 def _strategy_label(strategy: Any) -> str:
     return getattr(strategy, "strategy_name", None) or type(strategy).__name__
 
-
-def _check_positive_int(option: str, value: Any, *, accepted: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
-    if value <= 0:
-        raise ValueError(f"`{option}` must be {accepted}; got {value}.")

@@ -19,8 +19,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
+from fsdp_strategy.estimate import estimate_module
 from fsdp_strategy.monitor import (
     batch_size_of,
+    estimate_figures,
     format_summary,
     model_state_bytes,
     optimizer_name,
@@ -128,6 +130,17 @@ def test_optimizer_and_strategy_names_for_the_estimator():
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
     assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None}
     assert plan_of(SingleDeviceStrategy("cpu")) is None
+
+
+def test_the_estimated_model_state_counts_offloaded_state_in_host_memory():
+    with torch.device("meta"):
+        model = TinyLM()
+    offload = estimate_module(model, strategy="fsdp2_offload", world_size=2)
+    sharded = estimate_module(model, strategy="fsdp2", world_size=2)
+    assert offload.model_state_bytes == 0  # nothing on the device...
+    # ...but the ranks hold the same shards as under fsdp2, in host memory, and measure them there.
+    assert estimate_figures(offload)["estimated_model_state_bytes"] == sharded.model_state_bytes > 0
+    assert estimate_figures(sharded)["estimated_model_state_bytes"] == sharded.model_state_bytes
 
 
 def _row(**values: float) -> dict[str, float]:
