@@ -9,7 +9,8 @@ configuration and measures
   optimizer step (every micro-batch of it), as the dispatcher sees the collectives.
 
 The test compares them with :func:`estimate_module` of the same model built on the meta device: the
-issue asks for at most 10% error in model state; communication must match exactly.
+issue asks for at most 10% error in model state, and the test holds it to 1% (0.28% measured);
+communication must match exactly.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_estimates_agree_with_training(tmp_path: Path) -> None:
         )
         held = max(measured[key]["held"])  # rank 0 holds the larger shards (17 of the 33 embedding rows)
         error = abs(estimate.model_state_bytes - held) / held
-        assert error <= 0.10, f"{key}: estimated {estimate.model_state_bytes} bytes, measured {held} ({error:.1%})"
+        assert error <= 0.01, f"{key}: estimated {estimate.model_state_bytes} bytes, measured {held} ({error:.1%})"
         assert measured[key]["live_estimate"] == [estimate.model_state_bytes] * 2, key
         if strategy == "fsdp2":
             expected = [[estimate.all_gather_bytes, estimate.reduce_scatter_bytes]] * 2
