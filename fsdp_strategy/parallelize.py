@@ -5,10 +5,7 @@ Each takes only what it needs and works without Lightning; ``FSDP2Strategy.setup
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +32,6 @@ __all__ = [
     "apply_compile",
     "apply_fully_shard",
     "has_meta_tensors",
-    "map_large_host_allocations",
     "materialize_meta_tensors",
     "plan_units",
 ]
@@ -182,25 +178,3 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
 def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, list[str]]) -> bool:
     prefix = name + "."
     return any(not other.startswith(prefix) for p in module.parameters() for other in owners[id(p)])
-
-
-# glibc's malloc serves a request above its mmap threshold with mmap and gives the pages back on free. The
-# threshold starts at 128 KiB and rises to the size of each such block freed (up to 32 MiB), so soon FSDP's
-# per-step buffers (gathered parameters, unsharded gradients, reduce-scatter outputs, optimizer temporaries)
-# come from the heap, where their churn fragments it. On 2 CPU ranks this grew a 116M-parameter GPT's peak
-# RSS by 0.4 GiB over its first 5 steps (docs/benchmarks.md); with the threshold fixed at 4 MiB it stayed
-# within 0.1 GiB of the live tensors, for about 0.3% more CPU time per step on an 11M-parameter GPT.
-HOST_MMAP_THRESHOLD = 4 * 2**20
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's <malloc.h>
-
-
-def map_large_host_allocations(threshold: int = HOST_MMAP_THRESHOLD) -> bool:
-    """Fixes glibc's mmap threshold at ``threshold`` bytes, so host tensors at least that large are
-    mapped and unmapped instead of fragmenting the heap. Returns whether it did: not off glibc, nor
-    when ``MALLOC_MMAP_THRESHOLD_`` is set (the user's own setting stands)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        return ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold) == 1
-    except (OSError, AttributeError):
-        return False

@@ -48,7 +48,6 @@ from fsdp_strategy.parallelize import (
     apply_compile,
     apply_fully_shard,
     has_meta_tensors,
-    map_large_host_allocations,
     materialize_meta_tensors,
     plan_units,
 )
@@ -412,8 +411,6 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if not isinstance(self.model, FSDPModule):  # fit -> validate reuses the sharded model
-            if self.root_device.type == "cpu":  # host memory is the device memory: keep it unfragmented
-                map_large_host_allocations()
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(self.model)
         self.barrier()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import platform
 import re
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from fsdp_strategy.benchmark.report import CSV_FIELDS, format_table, plot, summarize, write_csv, write_json
 from fsdp_strategy.benchmark.run import Job, interleaved_jobs, parse_strategies, require_extras, run_benchmark, validate
 from fsdp_strategy.cli import main
-from fsdp_strategy.parallelize import map_large_host_allocations
 
 GOOD = dict(model=None, init_args=None, size=None, strategies=["ddp", "fsdp2"], world_sizes=[2],
             precision="32-true", steps=2, warmup=1, repeats=1, batch_size=2, seq_len=16, vocab_size=256)
@@ -169,9 +167,3 @@ def test_a_tiny_run_of_two_strategies_on_two_ranks(tmp_path, capsys):
     assert (tmp_path / "plot.png").is_file() and (tmp_path / "results.csv").is_file()
     assert "| fsdp2 | 2 |" in capsys.readouterr().out
 
-
-def test_large_host_allocations_are_mapped_unless_the_user_set_the_threshold(monkeypatch):
-    # The fix this benchmark found for FSDP2's host memory on CPU (see docs/benchmarks.md).
-    assert map_large_host_allocations() is (platform.libc_ver()[0] == "glibc")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    assert map_large_host_allocations() is False
