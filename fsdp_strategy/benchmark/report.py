@@ -135,7 +135,8 @@ def plot(summary: list[dict[str, Any]], path: Path, *, title: str) -> None:
     strategies = list(dict.fromkeys(e["strategy"] for e in summary))
     worlds = sorted({e["world_size"] for e in summary})
     width = 0.8 / len(strategies)
-    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    rate_scale, rate_unit = (1e-3, "thousand tokens / s") if max(e["tokens_per_s"] for e in summary) >= 1e3 else (1, "tokens / s")
+    fig = Figure(figsize=(13, 5.6), layout="constrained")
     memory, speed = fig.subplots(1, 2)
     for i, strategy in enumerate(strategies):
         entries = [next((e for e in summary if e["strategy"] == strategy and e["world_size"] == w), None) for w in worlds]
@@ -146,8 +147,9 @@ def plot(summary: list[dict[str, Any]], path: Path, *, title: str) -> None:
         _bars(memory, xs, present, "model_state_bytes", 2**-30, width, color, alpha=1.0, whiskers=False)
         memory.bar_label(growth, labels=[_ratio_label(e["growth_over_ddp"], "ddp") for e in present], fontsize=8,
                          padding=2)
-        rate = _bars(speed, xs, present, "tokens_per_s", 1e-3, width, color, alpha=1.0, label=LABELS.get(strategy, strategy))
-        speed.bar_label(rate, labels=[f"{e['tokens_per_s'] / 1e3:.1f}k" for e in present], fontsize=8, padding=2)
+        rate = _bars(speed, xs, present, "tokens_per_s", rate_scale, width, color, alpha=1.0,
+                     label=LABELS.get(strategy, strategy))
+        speed.bar_label(rate, labels=[f"{e['tokens_per_s'] * rate_scale:.3g}" for e in present], fontsize=8, padding=2)
     for axis in (memory, speed):
         axis.set_xticks(range(len(worlds)), [f"{w} rank{'s' if w > 1 else ''}" for w in worlds])
         axis.set_xlabel("world size (CPU processes)")
@@ -158,8 +160,9 @@ def plot(summary: list[dict[str, Any]], path: Path, *, title: str) -> None:
                      " optimizer state; label: ratio to DDP", fontsize=10)
     memory.set_ylabel("GiB per rank (worst rank)")
     speed.set_title("Training throughput, all ranks together\n(median step after warm-up)", fontsize=10)
-    speed.set_ylabel("thousand tokens / s")
-    speed.legend(loc="upper left", fontsize=8, frameon=False)
+    speed.set_ylabel(rate_unit)
+    fig.legend(*speed.get_legend_handles_labels(), loc="outside lower center", ncols=len(strategies), fontsize=9,
+               frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.savefig(path, dpi=120)
 

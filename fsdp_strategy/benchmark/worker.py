@@ -24,16 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
-import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,6 +44,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
 from fsdp_strategy.benchmark.run import PRECISIONS, PROGRESS_PREFIX, STRATEGIES
 from fsdp_strategy.estimate import load_target
+from fsdp_strategy.monitor import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
 
@@ -78,15 +76,6 @@ def load_model_class(spec: str) -> type[L.LightningModule]:
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
-
-
-def current_rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def tensor_bytes(tensor: Tensor) -> tuple[int, int]:
@@ -268,7 +257,7 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
                log: StepLog, rss_after_imports: int) -> dict:
     walls, cpus = log.step_times(args.warmup, args.steps)
     step_time = statistics.median(walls)
-    peak = peak_rss()
+    peak = peak_rss_bytes()
     return {
         "strategy": args.strategy,
         "world_size": world_size,
@@ -295,7 +284,7 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cls = load_model_class(args.model)  # the model's own imports count as imports too
-    rss_after_imports = current_rss()
+    rss_after_imports = current_rss_bytes()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     log = StepLog(batches_per_run(args), progress=rank == 0)
