@@ -205,6 +205,10 @@ def _config(spec: str, model_args: dict[str, Any], rows: list[dict[str, Any]], *
     title = (f"{name}, {params / 1e6:.1f}M parameters, {options['precision']}, AdamW;"
              f" {options['batch_size']} x {options['seq_len']} tokens per rank and step; CPU (gloo), 1 thread per rank;"
              f" median of {options['repeats']} repeat{'s' if options['repeats'] > 1 else ''}")
+    # glibc's mmap threshold moves peak host memory by a third on CPU (docs/benchmarks.md): say when it was set.
+    mmap_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if mmap_threshold is not None:
+        title += f"; MALLOC_MMAP_THRESHOLD_={mmap_threshold}"
     return {
         "command": " ".join(["fsdp-strategy", "benchmark", *sys.argv[2:]]) if sys.argv[1:2] == ["benchmark"] else None,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -215,6 +219,6 @@ def _config(spec: str, model_args: dict[str, Any], rows: list[dict[str, Any]], *
         "title": title,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "lightning": lightning.__version__, "backend": "gloo",
-                    "threads_per_rank": 1},
+                    "threads_per_rank": 1, "malloc_mmap_threshold": mmap_threshold},
         "jobs_in_order": [asdict(Job(r["strategy"], r["world_size"], r["repeat"])) for r in rows if r["rank"] == 0],
     }
