@@ -155,7 +155,7 @@ def test_csv_json_table_and_plot_are_written(rows, tmp_path):
 
 
 def test_a_tiny_run_of_two_strategies_on_two_ranks(tmp_path, capsys, monkeypatch):
-    # The allocator recipe of docs/benchmarks.md reaches the workers and is recorded with the results.
+    # The allocator recipe of docs/benchmarks.md is passed on to the jobs (they must run with it) and recorded.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
     summary = run_benchmark(size="tiny", strategies=["fsdp2", "raw_fsdp2"], world_sizes=[2], steps=1, warmup=0,
                             repeats=1, batch_size=2, seq_len=16, out=tmp_path, progress=False)

@@ -205,7 +205,7 @@ def _config(spec: str, model_args: dict[str, Any], rows: list[dict[str, Any]], *
     title = (f"{name}, {params / 1e6:.1f}M parameters, {options['precision']}, AdamW;"
              f" {options['batch_size']} x {options['seq_len']} tokens per rank and step; CPU (gloo), 1 thread per rank;"
              f" median of {options['repeats']} repeat{'s' if options['repeats'] > 1 else ''}")
-    # glibc's mmap threshold moves peak host memory by a third on CPU (docs/benchmarks.md): say when it was set.
+    # glibc's mmap threshold moves peak host memory by a quarter to a third on CPU (docs/benchmarks.md): say when it was set.
     mmap_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     if mmap_threshold is not None:
         title += f"; MALLOC_MMAP_THRESHOLD_={mmap_threshold}"
