@@ -120,6 +120,7 @@ def publish(staging: Path, path: Path) -> None:
 def save_full_file(path: Path, checkpoint: dict[str, Any], token: str) -> None:
     """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place."""
     staging = staging_path(path, token)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's TorchCheckpointIO does
     with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
         torch.save(checkpoint, file)
         file.flush()

@@ -1,10 +1,11 @@
-"""Small verbs that turn a plain module into a sharded one: plan units, checkpoint, compile, shard, materialize.
+"""Small verbs that turn a plain module into a sharded one: plan units, checkpoint, compile, shard.
 
 Each takes only what it needs and works without Lightning; ``FSDP2Strategy.setup`` calls them in order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,8 +32,6 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_fully_shard",
-    "has_meta_tensors",
-    "materialize_meta_tensors",
     "plan_units",
 ]
 
@@ -104,8 +103,10 @@ def apply_fully_shard(
             reshard_after_forward=reshard_after_forward,
         )
     # The root's parameters are needed again right after its "forward" (the whole *_step) ends,
-    # so resharding them in between would only add an all-gather.
-    fully_shard(model, mesh=mesh, mp_policy=root_mp_policy, offload_policy=offload_policy, reshard_after_forward=False)
+    # so resharding them in between would only add an all-gather. Its "forward" receives the batch:
+    # hand it over unchanged, as DDP does, and let autocast choose compute dtypes.
+    root_policy = dataclasses.replace(root_mp_policy, cast_forward_inputs=False)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload_policy, reshard_after_forward=False)
     for method in STEP_METHODS:
         if hasattr(model, method) and _is_user_method(model, method):
             register_fsdp_forward_method(model, method)
@@ -138,34 +139,6 @@ def apply_compile(modules: Sequence[tuple[str, nn.Module]], *, backend: str = "i
     collectives stay at the block boundaries, outside the graphs."""
     for _, module in modules:
         module.compile(backend=backend)
-
-
-def has_meta_tensors(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str]:
-    """Allocates meta tensors on ``device`` (each rank only its shards) and initializes them with
-    each module's ``reset_parameters()``. Returns the classes that have no such method."""
-    if not has_meta_tensors(model):
-        return []
-    model.to_empty(device=device)
-    uninitialized = set()
-    initialized: set[int] = set()
-    for module in model.modules():
-        tensors = {id(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))}
-        # A tied weight keeps the values of its first owner (an embedding shared with the output
-        # layer keeps the embedding's init), as it does when the model is built eagerly.
-        if not tensors or tensors <= initialized:
-            continue
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            with torch.no_grad():
-                reset()
-        else:
-            uninitialized.add(class_name(module))
-        initialized |= tensors
-    return sorted(uninitialized)
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:

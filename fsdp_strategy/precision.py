@@ -10,8 +10,6 @@ distance that DDP with autocast reaches).
 from __future__ import annotations
 
 import re
-from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -50,63 +48,39 @@ def is_normalization(module: nn.Module) -> bool:
     )
 
 
-def precision_plugin_for(precision: str, device_type: str, *, meta_init: bool) -> Precision:
+def precision_plugin_for(precision: str, device_type: str) -> Precision:
     """The Lightning precision plugin that runs ``precision`` on sharded parameters.
 
     Raises:
         ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`.
     """
     if precision in ("bf16-mixed", "16-mixed"):
-        return FSDP2MixedPrecision(precision, device_type, meta_init=meta_init)  # type: ignore[arg-type]
+        return FSDP2MixedPrecision(precision, device_type)  # type: ignore[arg-type]
     if precision in ("bf16-true", "16-true"):
-        return FSDP2HalfPrecision(precision, meta_init=meta_init)  # type: ignore[arg-type]
+        return FSDP2HalfPrecision(precision)  # type: ignore[arg-type]
     if precision == "32-true":
-        return FSDP2Precision(meta_init=meta_init)
+        return FSDP2Precision()
     raise ValueError(
         f"`Trainer(precision={precision!r})` is not supported by the FSDP2 strategy. Choose one of:"
         f" {', '.join(SUPPORTED_PRECISIONS)}."
     )
 
 
-class _ModulesOnMeta:
-    """Builds the modules created in ``configure_model`` on the meta device.
-
-    The strategy materializes them after sharding, one shard per rank, so no rank ever holds the
-    whole model.
-    """
-
-    _meta_init: bool
-
-    @contextmanager
-    def module_init_context(self) -> Generator[None, None, None]:
-        with torch.device("meta") if self._meta_init else nullcontext(), super().module_init_context():  # type: ignore[misc]
-            yield
-
-
-class FSDP2Precision(_ModulesOnMeta, Precision):
+class FSDP2Precision(Precision):
     """``"32-true"``."""
 
-    def __init__(self, *, meta_init: bool) -> None:
-        super().__init__()
-        self._meta_init = meta_init
 
-
-class FSDP2HalfPrecision(_ModulesOnMeta, HalfPrecision):
+class FSDP2HalfPrecision(HalfPrecision):
     """``"bf16-true"`` / ``"16-true"``: parameters, gradients and optimizer state in the low dtype."""
 
-    def __init__(self, precision: str, *, meta_init: bool) -> None:
-        super().__init__(precision)  # type: ignore[arg-type]
-        self._meta_init = meta_init
 
-
-class FSDP2MixedPrecision(_ModulesOnMeta, MixedPrecision):
+class FSDP2MixedPrecision(MixedPrecision):
     """``"bf16-mixed"`` / ``"16-mixed"``: autocast over fp32 master weights.
 
     fp16 needs loss scaling; its "found inf" flag must agree across ranks, or ranks whose shard
     overflowed would skip a step the others take. ``ShardedGradScaler`` all-reduces that flag.
     """
 
-    def __init__(self, precision: str, device_type: str, *, meta_init: bool) -> None:
+    def __init__(self, precision: str, device_type: str) -> None:
         scaler = ShardedGradScaler(device=device_type) if precision == "16-mixed" else None
         super().__init__(precision, device_type, scaler=scaler)  # type: ignore[arg-type]
-        self._meta_init = meta_init

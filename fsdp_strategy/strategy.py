@@ -47,10 +47,11 @@ from fsdp_strategy.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fully_shard,
-    has_meta_tensors,
-    materialize_meta_tensors,
     plan_units,
 )
+from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
+from fsdp_strategy.estimate import format_bytes
+from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, snapshot, unshard
 from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy, select_modules
 from fsdp_strategy.precision import (
     SUPPORTED_PRECISIONS,
@@ -68,7 +69,7 @@ __all__ = ["FSDP2Strategy"]
 
 _log = logging.getLogger(__name__)
 
-_STATE_DICT_TYPES = ("sharded", "full")
+_STATE_DICT_TYPES = ("auto", "sharded", "full")
 _OUR_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
 
 
@@ -132,8 +133,8 @@ class FSDP2Strategy(ParallelStrategy):
         mp_policy: MixedPrecisionPolicy | None = None,
         sync_grads_each_micro_batch: bool = False,
         compile_blocks: bool | str = False,
-        meta_init: bool = True,
-        state_dict_type: str = "sharded",
+        meta_init: bool = False,
+        state_dict_type: str = "auto",
         async_save: bool = False,
         init_weights: str | None = None,
         process_group_backend: str | None = None,
@@ -198,6 +199,8 @@ class FSDP2Strategy(ParallelStrategy):
         self._compile_blocks = compile_blocks
         self._meta_init = meta_init
         self._state_dict_type = state_dict_type
+        self._checkpoint_format: str | None = None  # "sharded" or "full": state_dict_type, with "auto" decided in setup()
+        self._before_sharding: ShardingSnapshot | None = None
         self._async_save = async_save
         self._pending_save: _PendingSave | None = None
         self._async_group: Any = None
@@ -355,7 +358,7 @@ class FSDP2Strategy(ParallelStrategy):
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
         if self._precision_plugin is None:
-            self._precision_plugin = FSDP2Precision(meta_init=self._meta_init)
+            self._precision_plugin = FSDP2Precision()
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -381,9 +384,7 @@ class FSDP2Strategy(ParallelStrategy):
                 f" `Trainer(precision={precision!r})` too. Pass one of them: keep `mp_policy` with"
                 " precision='32-true', or drop `mp_policy`."
             )
-        self._precision_plugin = precision_plugin_for(
-            precision, getattr(plugin, "device", self._device_type_guess()), meta_init=self._meta_init
-        )
+        self._precision_plugin = precision_plugin_for(precision, getattr(plugin, "device", self._device_type_guess()))
 
     def _device_type_guess(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -401,8 +402,14 @@ class FSDP2Strategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Meta tensors are materialized in setup(), after sharding, one shard per rank.
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        # Lightning calls this around `configure_model` with `empty_init=None`, as DDP builds there: on the
+        # device, for real. Deferred parameters are filled in setup(), after sharding, one shard per rank.
+        deferred = self._meta_init if empty_init is None else empty_init
+        device = self.root_device if self.parallel_devices else torch.device("cpu")
+        with (
+            deferred_init(device) if deferred else torch.device(device),
+            self.precision_plugin.tensor_init_context(),
+        ):
             yield
 
     @override
@@ -410,19 +417,48 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not isinstance(self.model, FSDPModule):  # fit -> validate reuses the sharded model
+        if not isinstance(self.model, FSDPModule):  # a model left sharded by an earlier stage is reused
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(self.model)
+        if self._checkpoint_format is None:
+            self._checkpoint_format = self._choose_checkpoint_format(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    @property
+    def checkpoint_format(self) -> str:
+        """``"sharded"`` (a Distributed Checkpoint directory) or ``"full"`` (one file): ``state_dict_type``,
+        with ``"auto"`` decided when the model is set up."""
+        if self._checkpoint_format is None:
+            return "full" if self._state_dict_type == "full" else "sharded"
+        return self._checkpoint_format
+
+    def _choose_checkpoint_format(self, model: nn.Module) -> str:
+        if self._state_dict_type != "auto":
+            return self._state_dict_type
+        # "auto": one file, as DDP writes and `load_from_checkpoint` reads, while rank 0 can hold the whole
+        # state in host memory with room to spare; Distributed Checkpoint directories beyond that.
+        params = {id(p): p for p in model.parameters()}.values()
+        estimate = 3 * sum(p.numel() * p.element_size() for p in params)  # weights + two optimizer states
+        available = host_memory_available() if self.is_global_zero else None
+        chosen = self.broadcast("full" if available is None or estimate <= available // 4 else "sharded")
+        rank_zero_info(
+            f"{type(self).__name__}: checkpoints are {'single files' if chosen == 'full' else 'sharded directories'}"
+            f" (state_dict_type='auto': the full state, about {format_bytes(estimate)} with an optimizer like Adam,"
+            f" {'fits' if chosen == 'full' else 'does not fit'} in a quarter of rank 0's free host memory)."
+            " Pass state_dict_type='full' or 'sharded' to choose."
+        )
+        return chosen
+
     def parallelize(self, model: nn.Module) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
+        self._before_sharding = snapshot(model)
         mp_policy = self.mp_policy()
         keep_norms_fp32 = self._explicit_mp_policy is None and mixed_precision_policy(self.precision_plugin.precision) is not None
         units = plan_units(model, self._wrap_policy, mp_policy=mp_policy, keep_norms_fp32=keep_norms_fp32)
+        deferred = records_by_name(model)  # fully_shard replaces the parameters that carry them
         if self._ac_policy is not None:
             apply_activation_checkpointing(select_modules(model, self._ac_policy))
         if self._compile_blocks and self._wrap_policy is not None:
@@ -436,8 +472,9 @@ class FSDP2Strategy(ParallelStrategy):
             offload_policy=self._offload_policy,
             reshard_after_forward=self._reshard_after_forward,
         )
+        self._before_sharding.added()
         was_meta = has_meta_tensors(model)
-        uninitialized = materialize_meta_tensors(model, self._param_device())
+        materialize(model, self._param_device(), deferred)
         if isinstance(self._offload_policy, CPUOffloadPolicy):
             # Offloaded shards live on the host; buffers are used in compute and stay on the device.
             for module in model.modules():
@@ -445,11 +482,6 @@ class FSDP2Strategy(ParallelStrategy):
                     setattr(module, name, buffer.to(self.root_device))
         else:
             model.to(self.root_device)
-        if uninitialized:
-            rank_zero_warn(
-                "Parameter initialization incomplete: these modules were built on the meta device and have no"
-                f" `reset_parameters()` to initialize them: {', '.join(uninitialized)}."
-            )
         if self._init_weights is not None:
             self._load_init_weights(model)
         self._log_plan(model, units, was_meta)
@@ -586,14 +618,14 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return ckpt.model_state(self.model, full=self._state_dict_type == "full")
+        return ckpt.model_state(self.model, full=self.checkpoint_format == "full")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return ckpt.optimizer_state(self.model, optimizer, full=self._state_dict_type == "full")
+        return ckpt.optimizer_state(self.model, optimizer, full=self.checkpoint_format == "full")
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -613,7 +645,7 @@ class FSDP2Strategy(ParallelStrategy):
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(uuid.uuid4().hex[:16])
-        if self._state_dict_type == "full":
+        if self.checkpoint_format == "full":
             if self.is_global_zero:
                 if self._async_save:
                     self._pending_save = _PendingSave(self._executor().submit(ckpt.save_full_file, path, checkpoint, token))
@@ -661,7 +693,9 @@ class FSDP2Strategy(ParallelStrategy):
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        # As Lightning restores optimizer states only to resume fitting; validate/test/predict load weights only.
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self._sharded_optimizers() if fitting else []
         strict = self.lightning_module.strict_loading
         if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
             # Rank 0 checks every file before any rank unpickles or reads one.
@@ -686,12 +720,40 @@ class FSDP2Strategy(ParallelStrategy):
         # Sharded parameters stay where they are: moving them to CPU would gather nothing and cost a copy.
         if not self._peer_lost:  # waiting would end in a barrier that the lost peer never joins
             self.wait_for_checkpoint()
+            self._give_back_plain_module()
         if self._membership is not None:
             self._membership.stop()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+    def _sharded_optimizers(self) -> list[Optimizer]:
+        """The optimizers of the current sharded model (a stage after fit keeps fit's optimizers, whose
+        parameters were given back in full)."""
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        return [o for o in optimizers if any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])]
+
+    def _give_back_plain_module(self) -> None:
+        """After a stage that ended normally, the module the user passed in is plain again, as DDP leaves it:
+        full parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`fsdp_strategy.gather`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not isinstance(self.model, FSDPModule) or self._before_sharding is None or trainer is None or trainer.interrupted:
+            return
+        optimizers = self._sharded_optimizers()
+        needed = full_state_bytes(self.model, optimizers) * self.num_processes
+        available = host_memory_available()
+        if not all_ranks_agree(available is None or needed <= available // 2, self.root_device):
+            rank_zero_info(
+                f"{type(self).__name__}: the module stays sharded after this stage: its full parameters and optimizer"
+                f" state ({format_bytes(needed)} for the {self.num_processes} processes of a node) do not fit in half of"
+                " the free host memory. Every rank must call its forward together; for one process, load a"
+                " consolidated checkpoint (`fsdp-strategy consolidate`) into a fresh module."
+            )
+            return
+        unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
+        self._before_sharding = None
 
 
 class _PendingSave:

@@ -33,14 +33,22 @@ def torchrun(
     return _run([*cmd, *args], cwd=cwd, env=_environment(), check=check, timeout=timeout)
 
 
-def launch(args: list[str], tmp_path: Path, *, nproc: int, launcher: str = "torchrun", timeout: float = 600) -> dict:
-    """Runs the worker on ``nproc`` CPU processes and returns rank 0's results."""
+def launch(
+    args: list[str],
+    tmp_path: Path,
+    *,
+    nproc: int,
+    launcher: str = "torchrun",
+    timeout: float = 600,
+    module: str = "integration_tests.worker",
+) -> dict:
+    """Runs a worker module on ``nproc`` CPU processes and returns rank 0's results (what it saved to ``--out``)."""
     out = tmp_path / f"result_{len(list(tmp_path.glob('result_*')))}.pt"
     if launcher == "torchrun":
-        torchrun("integration_tests.worker", [*args, "--out", str(out)], nproc=nproc, cwd=tmp_path, timeout=timeout)
+        torchrun(module, [*args, "--out", str(out)], nproc=nproc, cwd=tmp_path, timeout=timeout)
     else:
         env = {**_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        cmd = [sys.executable, "-m", "integration_tests.worker", *args, "--devices", str(nproc), "--out", str(out)]
+        cmd = [sys.executable, "-m", module, *args, "--devices", str(nproc), "--out", str(out)]
         _run(cmd, cwd=tmp_path, env=env, check=True, timeout=timeout)
     return torch.load(out)
 

@@ -47,7 +47,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        strategy=fsdp_strategy.FSDP2Strategy(),
+        strategy=fsdp_strategy.FSDP2Strategy(state_dict_type="sharded"),
         max_steps=8,
         limit_val_batches=0,
         logger=False,

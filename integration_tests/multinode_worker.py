@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
 from integration_tests.models import TinyLM, token_dataset
-from integration_tests.worker import Recorder, model_state_bytes, padded_share_bytes
+from integration_tests.worker import Recorder, padded_share_bytes
 
 SAMPLES, BATCH_SIZE, EPOCHS = 48, 4, 2  # 3 steps per epoch on 4 ranks
 
@@ -62,6 +62,10 @@ class TopologyProbe(L.Callback):
 
     def __init__(self) -> None:
         self.report: dict = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        self.share_bytes = {n: padded_share_bytes(pl_module, optimizers, n) for n in (2, 4)}
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sampler = trainer.train_dataloader.sampler
@@ -109,13 +113,13 @@ def train(strategy: str, *, num_nodes: int, devices: int, log_dir: Path) -> dict
     trainer.fit(model, DataLoader(IndexedTokens(SAMPLES), batch_size=BATCH_SIZE, shuffle=False))
     rank_zero_info(f"multinode_worker: {strategy} finished")  # the test counts this line over all nodes
 
-    optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+    held, _ = recorder.state_bytes  # measured at the end of training, while the module is sharded
     result = {
         **probe.report,
         "seen": model.seen,
         "losses": recorder.losses,
-        "state_bytes": model_state_bytes(model, optimizers),
-        "share_bytes": {n: padded_share_bytes(model, optimizers, n) for n in (2, 4)},
+        "state_bytes": held,
+        "share_bytes": probe.share_bytes,
     }
     # Collective: every rank takes part, rank 0 keeps the gathered parameters.
     if any(isinstance(p, DTensor) for p in model.parameters()):

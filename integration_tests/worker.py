@@ -22,12 +22,22 @@ from integration_tests.models import TinyGAN, TinyLM, token_loader
 
 
 class Recorder(L.Callback):
+    """Per-step losses, and each rank's model state at the end of training, while the module is sharded."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.state_bytes: tuple[int, int] | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         if isinstance(outputs, dict) and "loss" in outputs:
             self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        self.state_bytes = (
+            model_state_bytes(pl_module, optimizers),
+            padded_share_bytes(pl_module, optimizers, trainer.world_size),
+        )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,9 @@ def make_strategy(name: str, variant: dict, checkpoint_dir: Path | None = None) 
     if name == "fsdp2_full":
         return fsdp_strategy.FSDP2Strategy(state_dict_type="full")
     if name == "fsdp2_async":
-        return fsdp_strategy.FSDP2Strategy(async_save=True)
+        return fsdp_strategy.FSDP2Strategy(async_save=True, state_dict_type="sharded")
+    if name == "fsdp2" and checkpoint_dir is not None:  # the checkpoint tests read a sharded directory
+        return fsdp_strategy.FSDP2Strategy(state_dict_type="sharded")
     if name == "fsdp2_compiled":
         return fsdp_strategy.FSDP2Strategy(compile_blocks="aot_eager")
     if name == "fsdp2_replicate2":
@@ -140,12 +152,8 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
         trainer.save_checkpoint(checkpoint_dir / f"{strategy_name}.ckpt")
         trainer.strategy.barrier()
 
-    optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
     per_rank: list = [None] * trainer.world_size
-    dist.all_gather_object(
-        per_rank,
-        (model_state_bytes(model, optimizers), padded_share_bytes(model, optimizers, trainer.world_size)),
-    )
+    dist.all_gather_object(per_rank, recorder.state_bytes)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:

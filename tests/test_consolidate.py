@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import consolidate as consolidate_module
 from fsdp_strategy.cli import main
@@ -233,7 +234,7 @@ def test_trainer_checkpoint_consolidates_and_resumes_on_a_single_device(trainer_
     )
     torch.manual_seed(0)
     model = TinyLM()
-    first = L.Trainer(strategy="fsdp2", max_steps=2, **flags)
+    first = L.Trainer(strategy=FSDP2Strategy(state_dict_type="sharded"), max_steps=2, **flags)
     first.fit(model, token_loader(batch_size=4, samples=16))
     first.save_checkpoint(tmp_path / "sharded")
     params = {name: full(value).clone() for name, value in model.state_dict().items()}

@@ -268,7 +268,7 @@ def test_raise_under_each_precision(trainer_env, precision: str) -> None:
 
 def test_the_16_mixed_gradient_scaler_handles_nonfinite_steps_itself(trainer_env) -> None:
     # Lightning turns precision="16-mixed" on CPU into bf16; the plugin is given directly to get the scaler.
-    plugin = FSDP2MixedPrecision("16-mixed", "cpu", meta_init=True)
+    plugin = FSDP2MixedPrecision("16-mixed", "cpu")
     scale = plugin.scaler.get_scale()  # type: ignore[union-attr]
     trainer = fit(PoisonedLM(poison_step=1), plugins=[plugin], nonfinite_grads="raise")
     assert trainer.strategy.skipped_steps == 0

@@ -87,7 +87,7 @@ def saved(pristine_dir: Path, trainer_env, tmp_path: Path) -> Path:
         trainer = lightning.Trainer(
             accelerator="cpu",
             devices=1,
-            strategy="fsdp2",
+            strategy=fsdp_strategy.FSDP2Strategy(state_dict_type="sharded"),
             max_steps=2,
             logger=False,
             enable_progress_bar=False,

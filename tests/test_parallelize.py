@@ -11,8 +11,6 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_strategy.parallelize import (
     apply_activation_checkpointing,
     apply_fully_shard,
-    has_meta_tensors,
-    materialize_meta_tensors,
     plan_units,
 )
 from fsdp_strategy.policy import normalize_policy
@@ -207,67 +205,3 @@ def test_activation_checkpointing_keeps_keys_and_gradients_and_recomputes_forwar
     assert calls == {"plain": 1, "checkpointed": 2}  # recomputed once in backward
     for (name, ref), param in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(param.grad, ref.grad), name
-
-
-# --- meta materialization ---------------------------------------------------------------------------
-
-
-class TinyLMWithReset(TinyLM):
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.scale)
-
-
-def test_materialize_meta_tensors_after_sharding_initializes_every_shard(mesh):
-    with torch.device("meta"):
-        model = TinyLMWithReset()
-    shard(model, mesh)
-    assert has_meta_tensors(model)
-
-    assert materialize_meta_tensors(model, torch.device("cpu")) == []
-
-    assert not has_meta_tensors(model)
-    for name, param in model.named_parameters():
-        assert isinstance(param, DTensor), name
-        assert param.to_local().device == torch.device("cpu")
-        assert torch.isfinite(full(param)).all(), name
-    assert torch.equal(full(model.scale), torch.ones_like(full(model.scale)))
-    assert full(model.blocks[0].attn_q.weight).std() > 0  # really initialized, not zero-filled
-    assert model.head.weight is model.embed.weight
-    # The tied weight keeps its first owner's init (Embedding: N(0, 1)), not the head's Linear init
-    # (uniform within 1/sqrt(WIDTH), std ~0.14), as when the model is built eagerly.
-    assert full(model.embed.weight).std() > 0.5
-    model.training_step(batch(), 0).backward()
-
-
-class Gain(nn.Module):
-    """A module with a parameter but no reset_parameters()."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
-
-
-class GainNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gain = Gain()
-        self.proj = nn.Linear(4, 4)
-
-
-def test_materialize_meta_tensors_reports_classes_without_reset_parameters(mesh):
-    with torch.device("meta"):
-        model = GainNet()
-    shard(model, mesh, policy=None)  # the root is the only unit, so Gain keeps its class name
-    assert materialize_meta_tensors(model, torch.device("cpu")) == ["Gain"]
-    assert not has_meta_tensors(model)
-    assert torch.isfinite(full(model.proj.weight)).all()
-    assert full(model.proj.weight).std() > 0
-
-
-def test_materialize_is_a_no_op_without_meta_tensors(mesh):
-    model = TinyLM()
-    shard(model, mesh)
-    before = {name: full(p).clone() for name, p in model.named_parameters()}
-    assert not has_meta_tensors(model)
-    assert materialize_meta_tensors(model, torch.device("cpu")) == []
-    assert all(torch.equal(full(p), before[name]) for name, p in model.named_parameters())

@@ -57,19 +57,19 @@ def test_full_precision_policy_keeps_fp32():
     ],
 )
 def test_precision_plugin_table(precision, plugin_type):
-    plugin = precision_plugin_for(precision, "cpu", meta_init=True)
+    plugin = precision_plugin_for(precision, "cpu")
     assert type(plugin) is plugin_type
     assert plugin.precision == precision
 
 
 def test_fp16_mixed_gets_a_sharded_grad_scaler():
-    plugin = precision_plugin_for("16-mixed", "cpu", meta_init=False)
+    plugin = precision_plugin_for("16-mixed", "cpu")
     assert isinstance(plugin.scaler, ShardedGradScaler)
     assert plugin.device == "cpu"
 
 
 def test_bf16_mixed_needs_no_grad_scaler():
-    plugin = precision_plugin_for("bf16-mixed", "cpu", meta_init=False)
+    plugin = precision_plugin_for("bf16-mixed", "cpu")
     assert plugin.scaler is None
 
 
@@ -80,23 +80,12 @@ def test_unsupported_precision_lists_the_supported_ones(precision):
         " 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
-        precision_plugin_for(precision, "cpu", meta_init=True)
-
-
-@pytest.mark.parametrize("precision", SUPPORTED_PRECISIONS)
-def test_module_init_context_builds_on_meta_only_with_meta_init(precision):
-    with precision_plugin_for(precision, "cpu", meta_init=True).module_init_context():
-        on_meta = nn.Linear(2, 2)
-    with precision_plugin_for(precision, "cpu", meta_init=False).module_init_context():
-        on_cpu = nn.Linear(2, 2)
-    assert on_meta.weight.is_meta
-    assert on_cpu.weight.device == torch.device("cpu")
-    assert torch.get_default_device() == torch.device("cpu")  # the context does not leak
+        precision_plugin_for(precision, "cpu")
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
 def test_true_half_precisions_also_build_modules_in_the_low_dtype(precision, dtype):
-    with precision_plugin_for(precision, "cpu", meta_init=True).module_init_context():
+    with precision_plugin_for(precision, "cpu").module_init_context():
         layer = nn.Linear(2, 2)
     assert layer.weight.dtype == dtype
     assert torch.get_default_dtype() == torch.float32

@@ -113,7 +113,7 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         (
             {"state_dict_type": "zip"},
             ValueError,
-            "`state_dict_type` must be one of ('sharded', 'full'); got 'zip'.",
+            "`state_dict_type` must be one of ('auto', 'sharded', 'full'); got 'zip'.",
         ),
         (
             {"process_group_backend": 5},

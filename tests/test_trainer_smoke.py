@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 import re
-import warnings
 
 import lightning as L
 import pytest
@@ -44,13 +43,31 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def assert_sharded_and_finite(module: nn.Module, uninitialized: set[str] = frozenset()) -> None:
-    """Every parameter is a materialized DTensor; all but ``uninitialized`` (arbitrary memory) are finite."""
+def assert_sharded_and_finite(module: nn.Module) -> None:
+    """Every parameter is a materialized, finite DTensor."""
     for name, param in module.named_parameters():
         assert isinstance(param, DTensor), name
         assert not param.is_meta and not param.to_local().is_meta, name
-        if name not in uninitialized:
-            assert torch.isfinite(full(param)).all(), name
+        assert torch.isfinite(full(param)).all(), name
+
+
+def assert_plain_and_finite(module: nn.Module) -> None:
+    """After a stage the module is the plain one the user built, as DDP leaves it."""
+    assert not any(isinstance(m, FSDPModule) for m in module.modules())
+    for name, param in module.named_parameters():
+        assert type(param) is nn.Parameter and not param.is_meta, name
+        assert torch.isfinite(param).all(), name
+
+
+class SeenWhileTraining(L.Callback):
+    """Checks inside fit, where the module is sharded, by calling ``check(module)`` at the end of training."""
+
+    def __init__(self, check) -> None:
+        self.check, self.ran = check, False
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(pl_module)
+        self.ran = True
 
 
 class TinyLMWithReset(TinyLM):
@@ -62,37 +79,40 @@ class TinyLMWithReset(TinyLM):
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_fit_and_validate_a_meta_initialized_model(trainer_env, tmp_path, precision):
-    fit_trainer = trainer(tmp_path, max_steps=3, precision=precision)
+    def sharded(model: L.LightningModule) -> None:
+        assert isinstance(model, FSDPModule)
+        assert all(isinstance(block, FSDPModule) for block in model.blocks)
+        assert isinstance(model.blocks[0].norm, FSDPModule) is (precision == "bf16-mixed")  # fp32 norm units
+        assert_sharded_and_finite(model)
+        assert model.head.weight is model.embed.weight
+
+    seen = SeenWhileTraining(sharded)
+    fit_trainer = trainer(tmp_path, max_steps=3, precision=precision, callbacks=[seen])
     with fit_trainer.init_module(empty_init=True):
         model = TinyLMWithReset()
     assert model.embed.weight.is_meta
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fit_trainer.fit(model, loader(), loader())
-    assert not [w for w in caught if "Parameter initialization incomplete" in str(w.message)]
+    fit_trainer.fit(model, loader(), loader())
 
-    assert fit_trainer.global_step == 3
+    assert seen.ran and fit_trainer.global_step == 3
     assert math.isfinite(fit_trainer.callback_metrics["train_loss"].item())
-    assert isinstance(model, FSDPModule)
-    assert all(isinstance(block, FSDPModule) for block in model.blocks)
-    assert isinstance(model.blocks[0].norm, FSDPModule) is (precision == "bf16-mixed")  # fp32 norm units
-    assert_sharded_and_finite(model)
+    assert_plain_and_finite(model)
     assert model.head.weight is model.embed.weight
     assert fit_trainer.strategy.device_mesh.mesh_dim_names == ("dp_shard",)
     assert model.device_mesh is fit_trainer.strategy.device_mesh
 
     (metrics,) = fit_trainer.validate(model, loader(), verbose=False)
     assert math.isfinite(metrics["val_loss"])
-    assert fit_trainer.strategy.model is model  # validate reuses the sharded model
+    assert fit_trainer.strategy.model is model
+    assert_plain_and_finite(model)
 
 
-class NoReset(nn.Module):
-    """Owns a parameter but has no reset_parameters(): left uninitialized after meta init, and warned about."""
+class Gain(nn.Module):
+    """Owns a parameter created with its values and no reset_parameters()."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(2))
+        self.weight = nn.Parameter(torch.full((2,), 3.0))
 
 
 class BuiltInConfigureModel(L.LightningModule):
@@ -109,8 +129,9 @@ class BuiltInConfigureModel(L.LightningModule):
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(WIDTH, VOCAB)
-        self.blocks[0].unused = NoReset()  # inside a unit, so it keeps its class name
+        self.blocks[0].gain = Gain()  # inside a unit, so it keeps its class name
         self.seen["built_on"] = self.blocks[0].attn_q.weight.device
+        self.seen["allocated"] = type(self.blocks[0].attn_q.weight).__name__ != "DeferredTensor"
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
@@ -120,23 +141,25 @@ class BuiltInConfigureModel(L.LightningModule):
         return nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def test_layers_built_in_configure_model_end_up_sharded_not_meta(trainer_env, tmp_path):
-    fit_trainer = trainer(tmp_path, max_steps=2)
+@pytest.mark.parametrize("meta_init", [False, True])
+def test_layers_built_in_configure_model_end_up_sharded_with_their_values(trainer_env, tmp_path, meta_init):
+    def sharded(model: L.LightningModule) -> None:
+        assert all(isinstance(block, FSDPModule) for block in model.blocks)
+        assert_sharded_and_finite(model)
+
+    seen = SeenWhileTraining(sharded)
+    fit_trainer = trainer(tmp_path, max_steps=2, strategy=FSDP2Strategy(meta_init=meta_init), callbacks=[seen])
     model = BuiltInConfigureModel()
-    warning = (
-        "Parameter initialization incomplete: these modules were built on the meta device and have no"
-        " `reset_parameters()` to initialize them: NoReset."
-    )
-    with pytest.warns(UserWarning, match=re.escape(warning)):
-        fit_trainer.fit(model, loader())
+    fit_trainer.fit(model, loader())
 
-    assert model.seen == {"mesh_dims": ("dp_shard",), "built_on": torch.device("meta")}
-    assert fit_trainer.global_step == 2
-    assert all(isinstance(block, FSDPModule) for block in model.blocks)
-    assert_sharded_and_finite(model, uninitialized={"blocks.0.unused.weight"})
+    # As Lightning's own strategies do, configure_model runs on the real device; meta_init defers the
+    # parameters' memory (they still report the device they will be on).
+    assert model.seen == {"mesh_dims": ("dp_shard",), "built_on": torch.device("cpu"), "allocated": not meta_init}
+    assert seen.ran and fit_trainer.global_step == 2
+    assert torch.equal(model.blocks[0].gain.weight, torch.full((2,), 3.0))  # lr 0: the values it was built with
 
 
 class RecordStartState(L.Callback):
@@ -157,7 +180,7 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) 
 
 def test_sharded_checkpoint_save_then_resume_continues(trainer_env, tmp_path):
     torch.manual_seed(0)
-    first = trainer(tmp_path, max_steps=2)
+    first = trainer(tmp_path, max_steps=2, strategy=FSDP2Strategy(state_dict_type="sharded"))
     model = TinyLM()
     first.fit(model, loader())
     path = tmp_path / "last"
@@ -216,7 +239,7 @@ def test_full_state_dict_checkpoint_is_one_lightning_file_that_resumes(trainer_e
 
     trainer_env.fresh()
     start = RecordStartState()
-    second = trainer(tmp_path, max_steps=3, callbacks=[start])  # the default sharded strategy reads it
+    second = trainer(tmp_path, max_steps=3, callbacks=[start], strategy=FSDP2Strategy(state_dict_type="sharded"))
     second.fit(TinyLM(), loader(), ckpt_path=path)
     assert start.global_step == 2
     assert all(torch.equal(start.params[name], saved_params[name]) for name in saved_params)
@@ -226,7 +249,7 @@ def test_full_state_dict_checkpoint_is_one_lightning_file_that_resumes(trainer_e
 def test_resuming_from_a_damaged_or_foreign_checkpoint_names_the_problem(trainer_env, tmp_path):
     from fsdp_strategy.integrity import CheckpointError
 
-    first = trainer(tmp_path, max_steps=1)
+    first = trainer(tmp_path, max_steps=1, strategy=FSDP2Strategy(state_dict_type="sharded"))
     first.fit(TinyLM(), loader())
     path = tmp_path / "saved.ckpt"
     first.save_checkpoint(path)
@@ -245,10 +268,13 @@ def test_resuming_from_a_damaged_or_foreign_checkpoint_names_the_problem(trainer
 
 
 def test_a_model_without_repeated_blocks_trains_with_everything_in_the_root(trainer_env, tmp_path):
-    model = TinyLM(n_layer=1)
-    trainer(tmp_path, max_steps=1).fit(model, loader())
-    assert isinstance(model, FSDPModule) and not isinstance(model.blocks[0], FSDPModule)
-    assert all(isinstance(p, DTensor) for p in model.parameters())
+    def root_only(model: L.LightningModule) -> None:
+        assert isinstance(model, FSDPModule) and not isinstance(model.blocks[0], FSDPModule)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+
+    seen = SeenWhileTraining(root_only)
+    trainer(tmp_path, max_steps=1, callbacks=[seen]).fit(TinyLM(n_layer=1), loader())
+    assert seen.ran
 
 
 def test_lightnings_own_consolidation_tool_reads_a_sharded_checkpoint(trainer_env, tmp_path):
@@ -256,7 +282,7 @@ def test_lightnings_own_consolidation_tool_reads_a_sharded_checkpoint(trainer_en
     import sys
 
     model = TinyLM()
-    first = trainer(tmp_path, max_steps=1)
+    first = trainer(tmp_path, max_steps=1, strategy=FSDP2Strategy(state_dict_type="sharded"))
     first.fit(model, loader())
     path = tmp_path / "sharded.ckpt"
     first.save_checkpoint(path)
@@ -278,7 +304,9 @@ def test_model_checkpoint_top_k_and_last_manage_checkpoint_directories(trainer_e
     checkpoints = ModelCheckpoint(
         dirpath=directory, monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=True
     )
-    run = trainer(tmp_path, max_steps=5, callbacks=[checkpoints], enable_checkpointing=True)
+    run = trainer(
+        tmp_path, max_steps=5, callbacks=[checkpoints], enable_checkpointing=True, strategy=FSDP2Strategy(state_dict_type="sharded")
+    )
     run.fit(TinyLM(), loader())
     kept = sorted(p.name for p in directory.iterdir())
     assert len(kept) == 3 and "last.ckpt" in kept, kept

@@ -1,0 +1,209 @@
+"""Deferred construction (``init_module(empty_init=True)``, ``meta_init=True``) on a real 1-rank group: buffers
+exactly as an eager build computes them, parameters initialized with the eager build's own scheme, and an
+error before training where that cannot be done. Shards on several ranks: integration_tests/test_dropin.py."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from fsdp_strategy.deferred_init import DeferredInitError, DeferredTensor, deferred_init, materialize, records_by_name
+
+CPU = torch.device("cpu")
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_and_materialize(model: nn.Module, mesh, units: list[nn.Module] = ()) -> None:
+    records = records_by_name(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    materialize(model, CPU, records)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, pad_token_id=3, initializer_range=0.02,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_a_hugging_face_llama_gets_its_buffers_and_its_own_init(mesh):
+    torch.manual_seed(0)
+    eager = tiny_llama()
+    with deferred_init(CPU):
+        model = tiny_llama()
+    assert isinstance(model.lm_head.weight, nn.Parameter) and model.lm_head.weight.is_meta
+    # Non-persistent buffers computed in __init__ (rotary inv_freq) are those of the eager build, bit for bit.
+    buffers = dict(eager.named_buffers())
+    assert buffers and all(torch.equal(buffer, buffers[name]) for name, buffer in model.named_buffers())
+
+    shard_and_materialize(model, mesh, list(model.model.layers))
+
+    for name, param in model.named_parameters():
+        assert not param.is_meta and torch.isfinite(full(param)).all(), name
+    assert all(torch.equal(buffer, buffers[name]) for name, buffer in model.named_buffers())
+    embedding = full(model.model.embed_tokens.weight)
+    assert torch.equal(embedding[3], torch.zeros(16))  # the padding row Hugging Face zeroes
+    for name, param in model.named_parameters():
+        values, reference = full(param), dict(eager.named_parameters())[name]
+        if name.endswith("norm.weight"):
+            assert torch.equal(values, reference), name  # fill_(1.0)
+        else:
+            # Hugging Face's normal(0, initializer_range), not torch's default Linear init (std ~0.14 here).
+            assert values.std().item() == pytest.approx(0.02, rel=0.25), name
+
+
+class NanoGPTStyle(nn.Module):
+    """Initializes everything after construction with apply(), as nanoGPT does, scaling residual projections."""
+
+    def __init__(self, n_layer: int = 2, width: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.Linear(4 * width, width)) for _ in range(n_layer))
+        self.apply(self._init_weights)
+        for layer in self.layers:
+            nn.init.normal_(layer[1].weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(module.bias)
+
+
+def test_init_done_outside_reset_parameters_is_replayed(mesh):
+    with deferred_init(CPU):
+        model = NanoGPTStyle()
+    shard_and_materialize(model, mesh, list(model.layers))
+    for layer in model.layers:
+        assert full(layer[0].weight).std().item() == pytest.approx(0.02, rel=0.1)
+        assert full(layer[1].weight).std().item() == pytest.approx(0.01, rel=0.1)
+        assert torch.equal(full(layer[0].bias), torch.zeros(128))
+
+
+def test_weights_loaded_during_construction_are_kept_exactly(mesh):
+    torch.manual_seed(0)
+    source = NanoGPTStyle()
+    with deferred_init(CPU):
+        model = NanoGPTStyle()
+        model.load_state_dict(source.state_dict())
+    shard_and_materialize(model, mesh, list(model.layers))
+    for name, param in model.named_parameters():
+        assert torch.equal(full(param), source.state_dict()[name]), name
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((8,), 3.0))  # created with its values, no reset_parameters()
+        self.scale = nn.Parameter(torch.randn(6, 4) * 0.5)
+        self.truncated = nn.Linear(64, 32)
+        nn.init.trunc_normal_(self.truncated.weight, std=0.02, a=-0.04, b=0.04)  # reads its values: built in full
+        self.rotation = nn.Linear(8, 8, bias=False)
+        nn.init.orthogonal_(self.rotation.weight)  # reads its values, needs the whole matrix
+        self.embedding = nn.Embedding(10, 4, padding_idx=2)
+        with torch.no_grad():
+            self.embedding.weight[5:7].fill_(7.0)  # a block of rows
+        self.register_buffer("twice_gain", self.gain.detach() * 2)  # a buffer computed from a parameter
+
+
+def test_values_given_at_creation_reads_and_row_writes_are_reproduced(mesh):
+    torch.manual_seed(0)
+    with deferred_init(CPU):
+        model = Custom()
+    assert torch.equal(model.twice_gain, torch.full((8,), 6.0))
+    scale_at_creation = model.scale._fsdp_strategy_deferred.initial.clone()
+    shard_and_materialize(model, mesh)
+
+    assert torch.equal(full(model.gain), torch.full((8,), 3.0))
+    assert torch.equal(full(model.scale), scale_at_creation)
+    weight = full(model.truncated.weight)
+    assert weight.abs().max() <= 0.04 and weight.std().item() == pytest.approx(0.02, rel=0.2)
+    rotation = full(model.rotation.weight)
+    assert torch.allclose(rotation @ rotation.T, torch.eye(8), atol=1e-5)
+    embedding = full(model.embedding.weight)
+    assert torch.equal(embedding[2], torch.zeros(4)) and torch.equal(embedding[5:7], torch.full((2, 4), 7.0))
+    assert embedding[[0, 1, 3, 4, 7, 8, 9]].std() > 0.5  # the rest: N(0, 1)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 4)
+        self.head = nn.Linear(4, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_parameters_stay_tied_and_keep_the_first_owners_init(mesh):
+    with deferred_init(CPU):
+        model = Tied()
+    assert model.head.weight is model.embed.weight
+    shard_and_materialize(model, mesh)
+    assert model.head.weight is model.embed.weight
+    assert full(model.embed.weight).std() > 0.5  # Embedding's N(0, 1), not the head's Linear init
+
+
+def test_deferred_parameters_have_no_memory_but_the_real_device_and_dtype():
+    with deferred_init(CPU):
+        layer = nn.Linear(4, 3)
+        seen = (type(layer.weight), layer.weight.device, layer.weight.is_meta)
+        with torch.no_grad():
+            view = layer.weight[1]
+    assert seen == (DeferredTensor, CPU, False)
+    assert isinstance(view, DeferredTensor) and view.shape == (4,)
+    assert layer.weight.is_meta and layer.weight.dtype == torch.float32
+    with deferred_init(CPU), torch.device("cpu"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            half = nn.Linear(4, 3)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert half.weight.dtype == torch.bfloat16
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.gain = NoReset()
+
+
+def test_a_model_built_under_a_plain_meta_device_uses_reset_parameters_or_fails_loudly(mesh):
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    shard_and_materialize(layers, mesh)
+    assert full(layers[0].weight).std() > 0 and torch.equal(full(layers[1].weight), torch.ones(4))
+
+    with torch.device("meta"):
+        net = Net()
+    message = (
+        "These tensors are on the meta device and the strategy cannot give them the values your code would:"
+        " parameters 'gain.weight' (NoReset, no reset_parameters())."
+    )
+    with pytest.raises(DeferredInitError, match=re.escape(message)):
+        shard_and_materialize(net, mesh)
+
+
+def test_a_meta_buffer_is_an_error_before_anything_is_allocated(mesh):
+    with torch.device("meta"):
+        norm = nn.BatchNorm1d(4)
+    with pytest.raises(DeferredInitError, match=re.escape("buffer 'running_mean'")):
+        shard_and_materialize(norm, mesh)
