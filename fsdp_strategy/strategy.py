@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity, rendezvous
+from fsdp_strategy import integrity, rendezvous, trainer_call
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -663,8 +663,10 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
+        if weights_only is None:  # Lightning drops the user's choice for strategies that restore after setup
+            weights_only = trainer_call.weights_only_of_trainer_call()
         if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
-            # Lightning passes None unless the user chose; torch.load's default since 2.6 is True.
+            # None: the user did not choose; torch.load's default since 2.6 is True.
             trusted = weights_only is False
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
             self._on_rank_zero(
