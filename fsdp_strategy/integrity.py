@@ -321,9 +321,9 @@ def _check_byte_entries(path: Path, metadata: Metadata, *, weights_only: bool) -
             data = stream.read(length)
         try:
             torch_load(io.BytesIO(data), weights_only=weights_only)
-        except pickle.UnpicklingError as error:
-            raise _refused_types(path, relative, f"shard file '{relative}' holds '{fqn}' with", data, error) from None
         except Exception as error:
+            if weights_only and isinstance(error, pickle.UnpicklingError):
+                raise _refused_types(path, relative, f"shard file '{relative}' holds '{fqn}' with", data, error) from None
             detail = f"shard file '{relative}' holds an unreadable entry '{fqn}' ({type(error).__name__}: {_first_line(error)})."
             raise _damaged(path, relative, detail) from error
 
@@ -553,9 +553,9 @@ def load_trainer_state(path: Path, *, map_location: Any = "cpu", weights_only: b
         raise _damaged(path, name, detail)
     try:
         state = torch_load(io.BytesIO(data), weights_only=weights_only, map_location=map_location)
-    except pickle.UnpicklingError as error:
-        raise _refused_types(path, name, f"'{name}' holds", data, error) from None
     except Exception as error:
+        if weights_only and isinstance(error, pickle.UnpicklingError):
+            raise _refused_types(path, name, f"'{name}' holds", data, error) from None
         raise _damaged(path, name, f"'{name}' cannot be loaded ({type(error).__name__}: {_first_line(error)}).") from error
     if not isinstance(state, dict):
         raise _damaged(path, name, f"'{name}' holds a {_type_name(state)}, not a dict of trainer state.")
