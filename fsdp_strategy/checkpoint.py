@@ -99,7 +99,7 @@ def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: boo
 
 
 def write_trainer_state(staging: Path, state: dict[str, Any]) -> None:
-    """``meta.pt`` as plain data, so that loading never needs to unpickle arbitrary objects."""
+    """``meta.pt``: the trainer state's objects as DDP's checkpoint file holds them (``torch.save``)."""
     integrity.save_trainer_state(staging, state)
 
 
@@ -138,15 +138,17 @@ def remove_path(path: Path) -> None:
         path.unlink()
 
 
-def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool) -> dict[str, Any]:
+def load_sharded(
+    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool = True
+) -> dict[str, Any]:
     """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state.
 
-    Call :func:`fsdp_strategy.integrity.verify_sharded_checkpoint` first: DCP itself unpickles its
-    metadata without restrictions.
+    Call :func:`fsdp_strategy.integrity.verify_sharded_checkpoint` first (with the same ``weights_only``):
+    DCP itself unpickles its metadata and non-tensor entries without restrictions.
     """
     model_state_dict = get_model_state_dict(model)
     integrity.check_model_matches(path, model_state_dict, strict=strict, metadata=integrity.read_dcp_metadata(path))
-    trainer_state = integrity.load_trainer_state(path)
+    trainer_state = integrity.load_trainer_state(path, weights_only=weights_only)
     tensors: dict[str, Any] = {MODEL_KEY: model_state_dict}
     tensors.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
     dcp.load(tensors, checkpoint_id=path)

@@ -31,7 +31,13 @@ def _consolidate(args: argparse.Namespace) -> int:
     from fsdp_strategy.consolidate import _consolidate as consolidate
 
     try:
-        summary = consolidate(args.checkpoint_dir, args.output_file, overwrite=args.overwrite, progress=args.progress)
+        summary = consolidate(
+            args.checkpoint_dir,
+            args.output_file,
+            overwrite=args.overwrite,
+            progress=args.progress,
+            weights_only=args.weights_only,
+        )
     except (OSError, ValueError) as exc:  # a missing, foreign or damaged checkpoint; an existing output; disk full
         message = " ".join(str(exc).split())
         print(f"fsdp-strategy consolidate: error: {message}", file=sys.stderr)
@@ -165,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("output_file", metavar="OUT_FILE", help="the checkpoint file to write")
     consolidate.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
     consolidate.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    consolidate.add_argument(
+        "--no-weights-only",
+        dest="weights_only",
+        action="store_false",
+        help="trust the checkpoint: read meta.pt and the other pickled entries with torch.load(weights_only=False),"
+        " which runs code they name, as load_from_checkpoint(..., weights_only=False) does; needed for"
+        " hyper-parameters that are your own classes (dataclasses, enums) or OmegaConf configs",
+    )
     consolidate.set_defaults(run=_consolidate)
     _add_benchmark_parser(commands)
     _add_estimate_parser(commands)

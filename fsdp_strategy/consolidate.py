@@ -9,16 +9,22 @@ accept with any strategy:
 * ``state_dict``: plain tensors under the LightningModule's own ``state_dict()`` keys;
 * ``optimizer_states``: one entry per optimizer, keyed by parameter index exactly as
   ``torch.optim.Optimizer.state_dict()`` keys it (indices numbered group by group, in order);
-* every entry of ``meta.pt`` (epoch, global_step, loops, callbacks, lr_schedulers, hyper-parameters, ...).
+* every entry of ``meta.pt`` (epoch, global_step, loops, callbacks, lr_schedulers, hyper-parameters, ...),
+  as the objects ``meta.pt`` holds: a dataclass or enum hyper-parameter is written as that object, as
+  in DDP's checkpoint file, so ``load_from_checkpoint`` gives what it gives for DDP's file.
 
 Tensors are read one at a time, each whole (all of its shards) straight into the tensor that is kept,
 so the process holds what it has collected so far plus a single tensor in flight: about one copy of
 the model and optimizer state, never two.
 
-Like loading in the strategy, nothing runs code stored in the checkpoint: the directory is first
-checked by :func:`fsdp_strategy.integrity.verify_sharded_checkpoint`, ``.metadata`` is read with its
-restricted unpickler, and the non-tensor entries and ``meta.pt`` with ``torch.load(weights_only=True)``.
-The file written holds plain data only, so it loads with ``torch.load(weights_only=True)`` too.
+Like loading in the strategy, nothing runs code stored in the checkpoint unless ``weights_only=False``
+says it is trusted: the directory is first checked by
+:func:`fsdp_strategy.integrity.verify_sharded_checkpoint`, ``.metadata`` is read with its restricted
+unpickler, and the non-tensor entries and ``meta.pt`` with ``torch.load(weights_only=True)``, which
+refuses types that are neither registered with ``torch.serialization.add_safe_globals`` nor in
+:data:`fsdp_strategy.integrity.ACCEPTED_TYPES`. The file written then needs the same to load as DDP's
+file does: nothing more than plain data loads with ``torch.load(weights_only=True)``, and other types
+need ``load_from_checkpoint(..., weights_only=False)`` or ``add_safe_globals``.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ def consolidate_checkpoint(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    weights_only: bool = True,
 ) -> Path:
     """Writes the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``output_file``.
 
@@ -82,6 +89,11 @@ def consolidate_checkpoint(
         output_file: the file to write; its folder is created if needed.
         overwrite: replace ``output_file`` if it exists (otherwise that is an error).
         progress: show a progress bar over the tensors on stderr (needs ``tqdm``; none without it).
+        weights_only: ``True``: the pickled objects (``meta.pt``, non-tensor entries) are read with
+            ``torch.load(weights_only=True)``, which runs no code from the checkpoint and refuses types
+            that are not registered with ``torch.serialization.add_safe_globals`` (hyper-parameters that
+            are your own dataclasses or enums, OmegaConf configs). ``False``: trust the checkpoint and
+            read them whatever they are, as ``load_from_checkpoint(..., weights_only=False)`` does.
 
     Returns:
         The path of the written file.
@@ -90,12 +102,12 @@ def consolidate_checkpoint(
         FileNotFoundError: ``checkpoint_dir`` does not exist.
         ValueError: ``checkpoint_dir`` is not a sharded checkpoint (not a directory, no ``.metadata`` or
             no ``meta.pt``); or :class:`fsdp_strategy.integrity.CheckpointError` (a ``ValueError``): it is
-            damaged (a missing or truncated shard file, unreadable contents) or holds objects that are
-            not plain data.
+            damaged (a missing or truncated shard file, unreadable contents) or, with ``weights_only=True``,
+            holds objects of types that are not allowed (the message names them and both fixes).
         FileExistsError: ``output_file`` exists and ``overwrite`` is false.
         IsADirectoryError: ``output_file`` is a directory.
     """
-    return _consolidate(checkpoint_dir, output_file, overwrite=overwrite, progress=progress).path
+    return _consolidate(checkpoint_dir, output_file, overwrite=overwrite, progress=progress, weights_only=weights_only).path
 
 
 def _consolidate(
@@ -104,17 +116,18 @@ def _consolidate(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    weights_only: bool = True,
 ) -> _Summary:
     """:func:`consolidate_checkpoint`, returning what was written (for the ``consolidate`` command)."""
     source, target = Path(checkpoint_dir), Path(output_file)
-    reader, metadata = _open_checkpoint(source)
+    reader, metadata = _open_checkpoint(source, weights_only=weights_only)
     _check_output(target, overwrite)
-    trainer_state = integrity.load_trainer_state(source)
+    trainer_state = integrity.load_trainer_state(source, weights_only=weights_only)
 
     tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
     other_keys = [key for key in metadata.state_dict_metadata if key not in tensor_set]
-    flat: dict[str, Any] = _read_non_tensors(reader, metadata, source, other_keys)
+    flat: dict[str, Any] = _read_non_tensors(reader, metadata, source, other_keys, weights_only=weights_only)
     tensor_bytes = 0
     # Largest first: the memory a read needs besides its result (a shard's buffer) is then largest while
     # little has been collected yet, and the peak stays close to the sum of the results.
@@ -141,7 +154,7 @@ def _consolidate(
 # --- reading the directory ----------------------------------------------------------------------------
 
 
-def _open_checkpoint(source: Path) -> tuple[FileSystemReader, Metadata]:
+def _open_checkpoint(source: Path, *, weights_only: bool) -> tuple[FileSystemReader, Metadata]:
     if not source.exists():
         raise FileNotFoundError(f"checkpoint directory {source} does not exist")
     if not source.is_dir():
@@ -159,27 +172,30 @@ def _open_checkpoint(source: Path) -> tuple[FileSystemReader, Metadata]:
             f"{source} is not a sharded Lightning checkpoint: it has no {TRAINER_STATE_FILENAME} file"
             " (the trainer state)"
         )
-    # Shard files present and long enough, non-tensor entries and meta.pt plain data: CheckpointError otherwise.
-    integrity.verify_sharded_checkpoint(source)
+    # Shard files present and long enough, non-tensor entries and meta.pt loadable: CheckpointError otherwise.
+    integrity.verify_sharded_checkpoint(source, weights_only=weights_only)
     metadata = integrity.read_dcp_metadata(source)  # not FileSystemReader.read_metadata(): that is pickle.load
     reader = FileSystemReader(source)
     reader.set_up_storage_reader(metadata, True)
     return reader, metadata
 
 
-class _PlainDataPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor entries are read as plain data (it uses ``weights_only=False``)."""
+class _CheckedPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor entries are read by ``integrity.torch_load`` (it uses ``weights_only=False``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, weights_only: bool) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.weights_only = weights_only
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=True)
+        self.state_dict[read_item.dest_index.fqn] = integrity.torch_load(value, weights_only=self.weights_only)
 
 
-def _read(reader: FileSystemReader, metadata: Metadata, entries: dict[str, Any]) -> dict[str, Any]:
+def _read(
+    reader: FileSystemReader, metadata: Metadata, entries: dict[str, Any], *, weights_only: bool = True
+) -> dict[str, Any]:
     """One DCP read of ``entries`` (flat keys of the checkpoint): tensors are filled in place, other values replaced."""
-    planner = _PlainDataPlanner()
+    planner = _CheckedPlanner(weights_only=weights_only)
     planner.set_up_planner(entries, metadata, True)
     plans = planner.create_global_plan([reader.prepare_local_plan(planner.create_local_plan())])
     plan = planner.finish_plan(reader.prepare_global_plan(plans)[0])
@@ -187,7 +203,9 @@ def _read(reader: FileSystemReader, metadata: Metadata, entries: dict[str, Any])
     return entries
 
 
-def _read_non_tensors(reader: FileSystemReader, metadata: Metadata, source: Path, keys: list[str]) -> dict[str, Any]:
+def _read_non_tensors(
+    reader: FileSystemReader, metadata: Metadata, source: Path, keys: list[str], *, weights_only: bool
+) -> dict[str, Any]:
     """Non-tensor values (optimizer hyper-parameters, parameter names, ...) are small pickles: one read for all."""
     for key in keys:
         if not isinstance(metadata.state_dict_metadata[key], BytesStorageMetadata):
@@ -196,7 +214,7 @@ def _read_non_tensors(reader: FileSystemReader, metadata: Metadata, source: Path
     if not keys:
         return {}
     try:
-        return _read(reader, metadata, dict.fromkeys(keys))
+        return _read(reader, metadata, dict.fromkeys(keys), weights_only=weights_only)
     except Exception as exc:
         raise ValueError(f"cannot read the non-tensor values of {source}: {_one_line(exc)}") from exc
 

@@ -4,14 +4,20 @@ A sharded checkpoint is a Distributed Checkpoint (DCP) directory: DCP's index ``
 ``torch.distributed.checkpoint.metadata.Metadata``), the shard files ``__{rank}_0.distcp`` it points
 into, and ``meta.pt`` with Lightning's trainer state (epoch, loops, callbacks, schedulers, ...).
 
-Nothing here runs code stored in a checkpoint:
+``meta.pt`` holds the trainer state as DDP's checkpoint file holds it: hyper-parameters that are
+dataclasses, enums, paths or OmegaConf configs are saved as those objects (:func:`save_trainer_state`
+refuses, before anything is written, only what ``torch.save`` cannot pickle).
+
+Nothing here runs code stored in a checkpoint unless the caller trusts it (``weights_only=False``,
+Lightning's own switch):
 
 * ``.metadata`` is read by an unpickler that only builds the classes DCP metadata is made of (DCP's own
   ``dcp.load`` reads it with plain :func:`pickle.load`, which would run whatever the file asks for);
 * the non-tensor entries of the shard files (optimizer ``param_groups`` values and the like, which
-  DCP's default planner reads with ``torch.load(weights_only=False)``) are first read here with
-  ``torch.load(weights_only=True)``;
-* ``meta.pt`` is written as plain data and read with ``torch.load(weights_only=True)``.
+  DCP's default planner reads with ``torch.load(weights_only=False)``) and ``meta.pt`` are read with
+  ``torch.load(weights_only=True)``, which rebuilds torch's plain data, the types the user registered
+  with ``torch.serialization.add_safe_globals``, and the few harmless :data:`ACCEPTED_TYPES`; a file
+  holding other types is refused with their names, as torch refuses DDP's file.
 
 Every problem is reported as a :class:`CheckpointError` naming the checkpoint directory and the file.
 """
@@ -28,19 +34,23 @@ import pathlib
 import pickle
 import re
 import zipfile
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "ACCEPTED_TYPES",
     "DCP_METADATA_FILENAME",
     "TRAINER_STATE_FILENAME",
     "CheckpointError",
     "check_model_matches",
+    "check_trainer_state",
     "compare_keys",
     "is_half_written",
     "load_trainer_state",
@@ -49,7 +59,7 @@ __all__ = [
     "save_trainer_state",
     "saved_shapes",
     "state_dict_shapes",
-    "to_plain_trainer_state",
+    "torch_load",
     "verify_sharded_checkpoint",
 ]
 
@@ -110,13 +120,15 @@ def is_half_written(path: Path) -> bool:
     return looks_like_sharded_checkpoint(path) and not complete
 
 
-def verify_sharded_checkpoint(path: Path) -> None:
+def verify_sharded_checkpoint(path: Path, *, weights_only: bool = True) -> None:
     """Checks a sharded checkpoint before anything is loaded from it; raises :class:`CheckpointError`.
 
     Checked: ``.metadata`` exists and is DCP metadata (read without running code stored in it); every
     shard file it lists exists and is long enough for all the entries it should hold; the non-tensor
-    entries of the shards are plain data; ``meta.pt`` exists and holds plain data (read with
-    ``torch.load(weights_only=True)``). Only file sizes are checked for tensor data, which is not read.
+    entries of the shards and ``meta.pt`` load with :func:`torch_load` (``weights_only=True``: without
+    running code stored in them, else refused by type). Only file sizes are checked for tensor data,
+    which is not read. ``weights_only=False`` trusts the checkpoint: its pickled objects are loaded
+    whatever they are, running the code they name.
     """
     path = Path(path)
     if not path.is_dir():
@@ -127,8 +139,8 @@ def verify_sharded_checkpoint(path: Path) -> None:
         )
     metadata = read_dcp_metadata(path)
     _check_shard_files(path, metadata)
-    _check_byte_entries(path, metadata)
-    load_trainer_state(path)
+    _check_byte_entries(path, metadata, weights_only=weights_only)
+    load_trainer_state(path, weights_only=weights_only)
 
 
 # --- DCP's .metadata ------------------------------------------------------------------------------
@@ -286,8 +298,8 @@ def _check_shard_files(path: Path, metadata: Metadata) -> None:
         raise _damaged(path, first_file, message + ".")
 
 
-def _check_byte_entries(path: Path, metadata: Metadata) -> None:
-    """Reads the non-tensor entries of the shards as plain data; DCP itself unpickles them unrestricted."""
+def _check_byte_entries(path: Path, metadata: Metadata, *, weights_only: bool) -> None:
+    """Reads the non-tensor entries of the shards as :func:`torch_load` does; DCP itself unpickles them unrestricted."""
     by_index = {entry[0]: entry[1:] for entry in _storage_items(path, metadata)}
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, BytesStorageMetadata):
@@ -308,32 +320,180 @@ def _check_byte_entries(path: Path, metadata: Metadata) -> None:
             stream.seek(offset)
             data = stream.read(length)
         try:
-            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as error:
-            found = _unsafe_global(error)
-            raise _refused(
-                path,
-                relative,
-                f"shard file '{relative}' holds '{fqn}' with objects that are not plain data{found} and will not be"
-                " unpickled, since unpickling them can run arbitrary code.",
-            ) from None
+            torch_load(io.BytesIO(data), weights_only=weights_only)
         except Exception as error:
+            if weights_only and isinstance(error, pickle.UnpicklingError):
+                raise _refused_types(path, relative, f"shard file '{relative}' holds '{fqn}' with", data, error) from None
             detail = f"shard file '{relative}' holds an unreadable entry '{fqn}' ({type(error).__name__}: {_first_line(error)})."
             raise _damaged(path, relative, detail) from error
 
 
-# --- meta.pt: the trainer state as plain data -----------------------------------------------------
+# --- meta.pt: the trainer state, as DDP's checkpoint file holds it ---------------------------------
 
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.device, torch.dtype, torch.layout)
-_SEQUENCES: tuple[type, ...] = (list, tuple, set, torch.Size)
-_MAPPINGS: tuple[type, ...] = (dict, OrderedDict, Counter)
-_PLAIN = "dicts, lists, tuples, sets, str, int, float, bool, None and tensors"
+ACCEPTED_TYPES: tuple[type, ...] = (
+    argparse.Namespace,
+    pathlib.PurePath,
+    pathlib.PurePosixPath,
+    pathlib.PureWindowsPath,
+    pathlib.Path,
+    pathlib.PosixPath,
+    pathlib.WindowsPath,
+)
+"""Types that loading with ``weights_only=True`` accepts without the user registering them.
+
+Rebuilding them runs only the standard library on data from the file (a path from its string parts, a
+``Namespace`` by filling its ``__dict__``), never code the file names. Everything else beyond torch's own
+plain data is loaded only when registered with ``torch.serialization.add_safe_globals`` or with
+``weights_only=False``, exactly as for DDP's checkpoint file.
+"""
 
 
-class _NotPlain(Exception):
-    def __init__(self, where: str, value: Any, hint: str) -> None:
-        super().__init__(where)
-        self.where, self.value, self.hint = where, value, hint
+def _accepted_globals() -> list[Any]:
+    entries: list[Any] = []
+    for kind in ACCEPTED_TYPES:
+        entries.append(kind)
+        if kind.__module__ in ("pathlib", "pathlib._local"):  # Python 3.13 moved them to pathlib._local
+            other = "pathlib._local" if kind.__module__ == "pathlib" else "pathlib"
+            entries.append((kind, f"{other}.{kind.__qualname__}"))
+    return entries
+
+
+@contextmanager
+def _accepting_config_types() -> Iterator[None]:
+    # torch.load(weights_only=True) has no per-call allow-list, only the process-wide one; add ours for
+    # this load, leaving out what the user registered already (leaving the block removes what it added).
+    registered = set(torch.serialization.get_safe_globals())
+    with torch.serialization.safe_globals([entry for entry in _accepted_globals() if entry not in registered]):
+        yield
+
+
+def torch_load(source: Any, *, weights_only: bool = True, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of a checkpoint's pickled objects, read as DDP's checkpoint file is.
+
+    ``weights_only=True``: torch's weights-only unpickler, which rebuilds torch's plain data, the types
+    registered with ``torch.serialization.add_safe_globals`` and :data:`ACCEPTED_TYPES`, and raises
+    ``pickle.UnpicklingError`` for anything else without running it. ``weights_only=False`` unpickles
+    everything, running whatever code the file names: only for checkpoints from a trusted source.
+    """
+    if not weights_only:
+        return torch.load(source, map_location=map_location, weights_only=False)
+    with _accepting_config_types():
+        return torch.load(source, map_location=map_location, weights_only=True)
+
+
+def _refused_types(checkpoint: Path, file: str, what: str, data: bytes, error: BaseException) -> CheckpointError:
+    """The refusal of a ``weights_only=True`` load: the types, and the two ways to load them."""
+    try:
+        with _accepting_config_types():
+            names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))))
+    except Exception:  # a pickle its scanner does not know: torch's own message still names the type
+        names = [match.group(1)] if (match := re.search(r"GLOBAL ([\w.]+)", str(error))) else []
+    trust = (
+        "If you trust this checkpoint, load it with weights_only=False: trainer.fit(model, ckpt_path=...,"
+        " weights_only=False) (likewise validate, test and predict), consolidate_checkpoint(...,"
+        " weights_only=False) or fsdp-strategy consolidate --no-weights-only."
+    )
+    if not names:  # every type is allowed, yet torch cannot rebuild them (e.g. a dict subclass)
+        reason = _weights_only_reason(error)
+        detail = f"{what} objects that torch.load(weights_only=True) cannot rebuild ({reason}). {trust}"
+        return _refused(checkpoint, file, detail)
+    shown = ", ".join(names)
+    classes = ", ".join(name.rsplit(".", 1)[-1] for name in names)
+    detail = (
+        f"{what} objects of types that are only loaded from a trusted file: {shown} (rebuilding an object runs"
+        f" code of its type, so torch.load(weights_only=True) rebuilds only the types it is told are safe). {trust}"
+        " Or, if they are your own types and safe to rebuild, register them in every process before loading:"
+        f" torch.serialization.add_safe_globals([{classes}])."
+    )
+    return _refused(checkpoint, file, detail)
+
+
+def _weights_only_reason(error: BaseException) -> str:
+    text = str(error)
+    _, found, rest = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (rest if found else text).splitlines() if line.strip()]
+    return lines[0].rstrip(".") if lines else type(error).__name__
+
+
+def check_trainer_state(state: Mapping[str, Any], *, checkpoint: Path) -> bytes:
+    """``state`` as ``torch.save`` writes it to ``meta.pt``; raises ``TypeError`` naming the first value it cannot hold.
+
+    The objects are kept as they are, as in DDP's checkpoint file: dataclasses, enums, namedtuples, paths,
+    OmegaConf configs and any other object that pickles. Refused, with its key path (e.g.
+    ``checkpoint['hyper_parameters']['loss_fn']``): what ``torch.save`` cannot pickle (lambdas, classes or
+    functions defined inside a function, open files, ...) and DTensors (rank 0 writes ``meta.pt`` alone,
+    so it would hold rank 0's shard only). Every rank calls this before any rank writes, so a refused
+    state leaves nothing half-written. ``checkpoint`` is only used in messages.
+    """
+    state = dict(state)
+    dtensor = _find_dtensor(state, "checkpoint", set())
+    if dtensor is not None:
+        raise TypeError(
+            f"Cannot save the trainer state of checkpoint '{checkpoint}' to '{TRAINER_STATE_FILENAME}':"
+            f" {dtensor} is a DTensor, and '{TRAINER_STATE_FILENAME}' is written by rank 0 alone, so it would"
+            " hold rank 0's shard only. Save value.full_tensor() instead."
+        )
+    buffer = io.BytesIO()
+    try:
+        torch.save(state, buffer)
+    except Exception as error:
+        where, value, cause = _unpicklable(state, "checkpoint", set()) or ("checkpoint", state, error)
+        raise TypeError(
+            f"Cannot save the trainer state of checkpoint '{checkpoint}' to '{TRAINER_STATE_FILENAME}': {where} is a"
+            f" {_type_name(value)}, which torch.save cannot pickle ({type(cause).__name__}: {_first_line(cause)})."
+            f"{_hint(where)}"
+        ) from error
+    return buffer.getvalue()
+
+
+def _children(value: Any, *, objects: bool) -> Iterator[tuple[str, Any]]:
+    """What ``value`` holds, each with the suffix it adds to the key path; ``objects``: also other objects' attributes.
+
+    Mappings other than dicts (an OmegaConf ``DictConfig``) are entered through their attributes, never
+    their items: reading those can resolve interpolations.
+    """
+    if isinstance(value, (torch.Tensor, type)):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                yield f" key {key!r}", key
+            yield f"[{key!r}]", item
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for index, item in enumerate(value):
+            yield f"[{index}]", item
+    elif objects and isinstance(getattr(value, "__dict__", None), dict):  # dataclasses, Namespace, most objects
+        for name, item in vars(value).items():
+            yield f".{name}", item
+
+
+def _find_dtensor(value: Any, where: str, seen: set[int]) -> str | None:
+    """The key path of the first DTensor in ``value``'s dicts, lists, tuples and sets (where callbacks keep tensors)."""
+    if isinstance(value, DTensor):
+        return where
+    if id(value) in seen:
+        return None
+    seen.add(id(value))
+    for suffix, child in _children(value, objects=False):
+        found = _find_dtensor(child, where + suffix, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _unpicklable(value: Any, where: str, seen: set[int]) -> tuple[str, Any, BaseException] | None:
+    """The deepest value in ``value`` that ``torch.save`` cannot pickle, with its key path and the error."""
+    try:
+        torch.save(value, io.BytesIO())
+    except Exception as error:
+        if id(value) not in seen:
+            seen.add(id(value))
+            for suffix, child in _children(value, objects=True):
+                found = _unpicklable(child, where + suffix, seen)
+                if found is not None:
+                    return found
+        return where, value, error
+    return None
 
 
 def _type_name(value: Any) -> str:
@@ -341,98 +501,24 @@ def _type_name(value: Any) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _is_lightning_attribute_dict(value: Any) -> bool:
-    kind = type(value)
-    top = kind.__module__.split(".")[0]
-    lightning = top in ("lightning", "lightning_fabric", "pytorch_lightning")
-    return isinstance(value, dict) and kind.__name__ == "AttributeDict" and lightning
-
-
-def _hint(where: str, value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return f" Store its value ({value.value!r}) instead."
-    match = re.fullmatch(r"checkpoint\['(?:datamodule_)?hyper_parameters'\]\[('[^']*')\]", where)
+def _hint(where: str) -> str:
+    match = re.match(r"checkpoint\['(?:datamodule_)?hyper_parameters'\]\[('[^']*')\]", where)
     if match:
-        return f" Leave it out of the hyper-parameters: self.save_hyperparameters(ignore=[{match.group(1)}])."
-    return " Store it as plain data instead (in the callback's state_dict or the module's on_save_checkpoint)."
-
-
-def _plain(value: Any, where: str, active: set[int]) -> Any:
-    kind = type(value)
-    if kind in _ATOMS:
-        return value
-    if kind in (torch.Tensor, torch.nn.Parameter):
-        return value
-    if isinstance(value, torch.Tensor):
-        raise _NotPlain(where, value, " Save a plain torch.Tensor (for a DTensor: .full_tensor()) instead.")
-    if kind.__module__ == "numpy" and getattr(value, "ndim", None) == 0 and kind.__name__ != "ndarray":
-        return _plain(value.item(), where, active)  # numpy scalar -> Python number, same value
-    if isinstance(value, PurePath):
-        return str(value)
-    if isinstance(value, enum.Enum):
-        raise _NotPlain(where, value, _hint(where, value))
-    is_namespace = isinstance(value, argparse.Namespace)
-    if kind in _MAPPINGS or is_namespace or _is_lightning_attribute_dict(value) or kind in _SEQUENCES:
-        if id(value) in active:
-            raise _NotPlain(where, value, " It contains itself.")
-        active.add(id(value))
-        try:
-            if kind in _SEQUENCES:
-                items = [_plain(item, f"{where}[{i}]", active) for i, item in enumerate(value)]
-                return items if kind is list else kind(items)
-            mapping = vars(value) if is_namespace else value
-            result = {} if kind not in _MAPPINGS else kind()
-            for key, item in mapping.items():
-                new_key = _plain(key, f"{where} key {key!r}", active)
-                if new_key in result:
-                    raise _NotPlain(where, value, f" Two of its keys become {new_key!r}.")
-                result[new_key] = _plain(item, f"{where}[{key!r}]", active)
-            return result
-        finally:
-            active.discard(id(value))
-    raise _NotPlain(where, value, _hint(where, value))
-
-
-def to_plain_trainer_state(state: Mapping[str, Any], *, checkpoint: Path) -> dict[str, Any]:
-    """A copy of the trainer state that ``torch.load(weights_only=True)`` reads back; raises ``TypeError`` otherwise.
-
-    Kept as they are: dicts (also ``OrderedDict`` and ``Counter``), lists, tuples, sets, ``torch.Size``,
-    str, int, float, complex, bool, None, bytes, ``torch.Tensor``/``Parameter``, ``torch.device``,
-    ``torch.dtype``. Converted to plain data of the same value: Lightning's ``AttributeDict`` and
-    ``argparse.Namespace`` (also jsonargparse's) to dict, ``pathlib`` paths to str, numpy scalars to
-    Python numbers. Anything else (enums, modules, functions, other classes' instances, tensor
-    subclasses, namedtuples, ...) is refused with the key path of the first such value: it would either
-    not load back or need unpickling code named by the file. ``checkpoint`` is only used in messages.
-    """
-    try:
-        return _plain(dict(state), "checkpoint", set())
-    except _NotPlain as error:
-        raise TypeError(
-            f"Cannot save the trainer state of checkpoint '{checkpoint}' to '{TRAINER_STATE_FILENAME}':"
-            f" {error.where} is a {_type_name(error.value)}, and '{TRAINER_STATE_FILENAME}' only holds plain data"
-            f" ({_PLAIN}) so that it can be loaded without running code stored in it.{error.hint}"
-        ) from None
+        return (
+            " Define it at module level, or leave it out of the hyper-parameters:"
+            f" self.save_hyperparameters(ignore=[{match.group(1)}])."
+        )
+    return " Define it at module level, or store it in a form that pickles (e.g. plain data)."
 
 
 def save_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
-    """Writes ``state`` as plain data to ``path / "meta.pt"``, atomically (an interrupted write leaves no file).
+    """Writes ``state`` to ``path / "meta.pt"`` with ``torch.save``, atomically (an interrupted write leaves no file).
 
-    Raises ``TypeError`` (see :func:`to_plain_trainer_state`) before writing anything if ``state``
-    holds objects that are not plain data.
+    Raises ``TypeError`` (see :func:`check_trainer_state`) before writing anything if ``state`` cannot be saved.
     """
     path = Path(path)
-    plain = to_plain_trainer_state(state, checkpoint=path)
+    data = check_trainer_state(state, checkpoint=path)
     path.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(plain, buffer)
-    data = buffer.getvalue()
-    try:  # the walk above should make this impossible (e.g. a tensor carrying Python attributes)
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise TypeError(
-            f"Cannot save the trainer state of checkpoint '{path}' to '{TRAINER_STATE_FILENAME}': it would not"
-            f" load back with torch.load(weights_only=True) ({type(error).__name__}: {_first_line(error)})."
-        ) from error
     target = path / TRAINER_STATE_FILENAME
     partial = path / f"{TRAINER_STATE_FILENAME}.partial"
     with open(partial, "wb") as file:
@@ -442,13 +528,13 @@ def save_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
     os.replace(partial, target)
 
 
-def load_trainer_state(path: Path, *, map_location: Any = "cpu", trusted: bool = False) -> dict[str, Any]:
-    """The trainer state from ``path / "meta.pt"``, read with ``torch.load(weights_only=True)``.
+def load_trainer_state(path: Path, *, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
+    """The trainer state from ``path / "meta.pt"``, read by :func:`torch_load`.
 
-    A file holding anything but plain data is refused (:class:`CheckpointError`) without running any
-    code stored in it. ``trusted=True`` reads it with ``weights_only=False`` instead, which runs such
-    code: only for checkpoints from a trusted source, e.g. to convert one written by an older version
-    (load it this way once and write it back with :func:`save_trainer_state`).
+    With ``weights_only=True`` (the default) a file holding types that are neither torch's plain data,
+    nor registered with ``torch.serialization.add_safe_globals``, nor in :data:`ACCEPTED_TYPES` is
+    refused (:class:`CheckpointError` naming the types and both fixes) without running any code stored
+    in it. ``weights_only=False`` loads everything, running such code: only for trusted checkpoints.
     """
     path = Path(path)
     name = TRAINER_STATE_FILENAME
@@ -457,38 +543,23 @@ def load_trainer_state(path: Path, *, map_location: Any = "cpu", trusted: bool =
         detail = "is not a file" if file.exists() else "is missing"
         raise _damaged(path, name, f"'{name}' {detail} (a save that was interrupted leaves the directory so).")
     try:
-        size = file.stat().st_size
-        with open(file, "rb"):
-            pass
+        data = file.read_bytes()
     except OSError as error:
         raise _damaged(path, name, f"'{name}' cannot be read ({type(error).__name__}: {error}).") from error
-    if size == 0:
+    if not data:
         raise _damaged(path, name, f"'{name}' is empty (0 bytes).")
-    if not zipfile.is_zipfile(file):
-        detail = f"'{name}' is truncated or not written by torch.save (no complete archive in its {size} bytes)."
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        detail = f"'{name}' is truncated or not written by torch.save (no complete archive in its {len(data)} bytes)."
         raise _damaged(path, name, detail)
     try:
-        state = torch.load(file, map_location=map_location, weights_only=not trusted)
-    except pickle.UnpicklingError as error:
-        raise _refused(
-            path,
-            name,
-            f"'{name}' contains objects that are not plain data{_unsafe_global(error)} and will not be unpickled,"
-            " since unpickling them can run arbitrary code. If the checkpoint comes from a trusted source,"
-            " convert it once: fsdp_strategy.integrity.save_trainer_state(path,"
-            " load_trainer_state(path, trusted=True)).",
-        ) from None
+        state = torch_load(io.BytesIO(data), weights_only=weights_only, map_location=map_location)
     except Exception as error:
+        if weights_only and isinstance(error, pickle.UnpicklingError):
+            raise _refused_types(path, name, f"'{name}' holds", data, error) from None
         raise _damaged(path, name, f"'{name}' cannot be loaded ({type(error).__name__}: {_first_line(error)}).") from error
     if not isinstance(state, dict):
         raise _damaged(path, name, f"'{name}' holds a {_type_name(state)}, not a dict of trainer state.")
     return state
-
-
-def _unsafe_global(error: BaseException) -> str:
-    """`` (module.name)`` from torch's weights-only refusal, when it names the global it refused."""
-    match = re.search(r"GLOBAL ([\w.]+)", str(error))
-    return f" ({match.group(1)})" if match else ""
 
 
 def _first_line(error: BaseException) -> str:

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity, rendezvous
+from fsdp_strategy import integrity, rendezvous, trainer_call
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -654,8 +654,8 @@ class FSDP2Strategy(ParallelStrategy):
             self.barrier()
             return
         staging = ckpt.staging_path(path, token)
-        # Refuse trainer state that is not plain data on every rank, before any rank starts writing.
-        integrity.to_plain_trainer_state(ckpt.split_checkpoint(checkpoint)[1], checkpoint=path)
+        # Refuse trainer state that torch.save cannot write on every rank, before any rank starts writing.
+        integrity.check_trainer_state(ckpt.split_checkpoint(checkpoint)[1], checkpoint=path)
         if not self._async_save:
             ckpt.save_sharded(staging, checkpoint, is_rank_zero=self.is_global_zero)
             if self.is_global_zero:
@@ -697,10 +697,16 @@ class FSDP2Strategy(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self._sharded_optimizers() if fitting else []
         strict = self.lightning_module.strict_loading
+        if weights_only is None:  # Lightning drops the user's choice for strategies that restore after setup
+            weights_only = trainer_call.weights_only_of_trainer_call()
         if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
-            # Rank 0 checks every file before any rank unpickles or reads one.
-            self._on_rank_zero(lambda: integrity.verify_sharded_checkpoint(path), integrity.CheckpointError)
-            return ckpt.load_sharded(path, self.model, optimizers, strict=strict)
+            # None: the user did not choose; torch.load's default since 2.6 is True.
+            trusted = weights_only is False
+            # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
+            self._on_rank_zero(
+                lambda: integrity.verify_sharded_checkpoint(path, weights_only=not trusted), integrity.CheckpointError
+            )
+            return ckpt.load_sharded(path, self.model, optimizers, strict=strict, weights_only=not trusted)
         checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
         ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)
         return checkpoint

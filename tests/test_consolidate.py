@@ -6,8 +6,10 @@ consolidation and loading then run with no process group at all.
 
 from __future__ import annotations
 
+import enum
 import gc
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -507,6 +509,49 @@ def test_non_tensor_entries_that_are_not_plain_data_are_never_unpickled(tmp_path
     assert "is refused" in str(info.value) and "optimizer_0.param_groups.0.hook" in str(info.value)
     assert NotPlainData.unpickled == 0
     assert not (tmp_path / "out.ckpt").exists()
+
+    # Trusted, they are read as DCP itself reads them.
+    consolidate_checkpoint(folder, tmp_path / "out.ckpt", weights_only=False, progress=False)
+    assert NotPlainData.unpickled > 0
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@dataclass
+class TrainConfig:
+    mode: Mode = Mode.FAST
+    data_dir: Path = Path("/data")
+
+
+def test_hyper_parameters_of_your_own_types_take_the_same_trust_as_in_a_ddp_file(tmp_path, capsys):
+    folder = dcp_dir_with_meta(tmp_path / "ck")
+    hyper_parameters = {"config": TrainConfig(), "mode": Mode.FAST, "data_dir": Path("/data")}
+    torch.save({"global_step": 0, "hyper_parameters": hyper_parameters}, folder / "meta.pt")
+    out = tmp_path / "out.ckpt"
+
+    with pytest.raises(CheckpointError) as info:
+        consolidate_checkpoint(folder, out, progress=False)
+    assert str(info.value).startswith(
+        f"Checkpoint '{folder}' is refused: 'meta.pt' holds objects of types that are only loaded from a trusted file:"
+        f" {__name__}.Mode, {__name__}.TrainConfig ("
+    )
+    assert "weights_only=False" in str(info.value) and "add_safe_globals([Mode, TrainConfig])" in str(info.value)
+    assert error_of(capsys, str(folder), str(out)) == f"fsdp-strategy consolidate: error: {info.value}"
+    assert not out.exists()
+
+    # Trusted: the file holds the objects themselves, and loads as DDP's file does (weights_only=False, or
+    # the types registered with torch).
+    assert main(["consolidate", str(folder), str(out), "--no-weights-only", "--no-progress"]) == 0
+    loaded = torch.load(out, weights_only=False)["hyper_parameters"]
+    assert loaded == hyper_parameters and [type(v) for v in loaded.values()] == [type(v) for v in hyper_parameters.values()]
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(out, weights_only=True)
+    with torch.serialization.safe_globals([TrainConfig, Mode, type(Path("/data"))]):
+        assert torch.load(out, weights_only=True)["hyper_parameters"] == hyper_parameters
+        # Registered types need no trust for consolidation either.
+        consolidate_checkpoint(folder, out, overwrite=True, progress=False)
 
 
 def test_existing_output_is_kept_unless_overwrite(tmp_path, capsys):

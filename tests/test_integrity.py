@@ -14,8 +14,9 @@ import enum
 import pickle
 import re
 import shutil
-from collections import Counter, OrderedDict
-from pathlib import Path
+from collections import namedtuple
+from pathlib import Path, PosixPath, PurePath, PurePosixPath, PureWindowsPath, WindowsPath
+from typing import Any
 
 import lightning
 import pytest
@@ -28,11 +29,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-import fsdp_strategy  # noqa: F401  (registers strategy="fsdp2")
+import fsdp_strategy
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.integrity import (
+    ACCEPTED_TYPES,
     CheckpointError,
     check_model_matches,
+    check_trainer_state,
     compare_keys,
     is_half_written,
     load_trainer_state,
@@ -40,7 +43,6 @@ from fsdp_strategy.integrity import (
     read_dcp_metadata,
     save_trainer_state,
     saved_shapes,
-    to_plain_trainer_state,
     verify_sharded_checkpoint,
 )
 from integration_tests.models import TinyLM, token_loader
@@ -175,7 +177,7 @@ def test_a_shard_path_outside_the_checkpoint_is_refused(saved):
         verify_sharded_checkpoint(saved)
 
 
-def test_a_non_tensor_shard_entry_that_is_not_plain_data_is_refused_without_running_it(tmp_path, single_rank_group):
+def test_a_hostile_non_tensor_shard_entry_is_refused_without_running_it(tmp_path, single_rank_group):
     path = tmp_path / "ck"
     dcp.save({"model": {"w": torch.ones(2)}, "extra": Payload(tmp_path / "control")}, checkpoint_id=path)
     save_trainer_state(path, {"epoch": 0})
@@ -186,10 +188,7 @@ def test_a_non_tensor_shard_entry_that_is_not_plain_data_is_refused_without_runn
     shutil.rmtree(path)
     dcp.save({"model": {"w": torch.ones(2)}, "extra": Payload(tmp_path / "marker")}, checkpoint_id=path)
     save_trainer_state(path, {"epoch": 0})
-    with expect(
-        f"Checkpoint '{path}' is refused: shard file '{SHARD}' holds 'extra' with objects that are not plain data"
-        " (exec) and will not be unpickled, since unpickling them can run arbitrary code."
-    ):
+    with expect(refused_types(path, f"shard file '{SHARD}' holds 'extra' with", "builtins.exec", "exec")):
         verify_sharded_checkpoint(path)
     assert not (tmp_path / "marker").exists()
 
@@ -280,11 +279,7 @@ def test_a_hostile_trainer_state_is_refused_without_running_it(saved, tmp_path):
     assert (tmp_path / "control").exists()
 
     torch.save({"epoch": 1, "callbacks": {"Evil": Payload(tmp_path / "marker")}}, saved / "meta.pt")
-    message = (
-        f"Checkpoint '{saved}' is refused: 'meta.pt' contains objects that are not plain data (exec) and will"
-        " not be unpickled, since unpickling them can run arbitrary code. If the checkpoint comes from a trusted"
-        " source, convert it once: fsdp_strategy.integrity.save_trainer_state(path, load_trainer_state(path, trusted=True))."
-    )
+    message = refused_types(saved, "'meta.pt' holds", "builtins.exec", "exec")
     with expect(message):
         verify_sharded_checkpoint(saved)
     with expect(message):
@@ -292,101 +287,237 @@ def test_a_hostile_trainer_state_is_refused_without_running_it(saved, tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
-def test_an_older_trainer_state_with_a_path_is_refused_and_can_be_converted_once(tmp_path):
-    data_dir = Path("/data/tokens")
-    torch.save({"epoch": 1, "hyper_parameters": {"data_dir": data_dir}}, tmp_path / "meta.pt")  # the former writer
-    path_class = f"{type(data_dir).__module__}.{type(data_dir).__qualname__}"
-    with pytest.raises(CheckpointError, match=re.escape(f"'meta.pt' contains objects that are not plain data ({path_class})")):
-        load_trainer_state(tmp_path)
-
-    save_trainer_state(tmp_path, load_trainer_state(tmp_path, trusted=True))
-    assert load_trainer_state(tmp_path) == {"epoch": 1, "hyper_parameters": {"data_dir": "/data/tokens"}}
-
-
-# --- writing plain trainer state ------------------------------------------------------------------
+# --- hyper-parameters as DDP saves them -----------------------------------------------------------
 
 
 class Mode(enum.Enum):
     FAST = "fast"
 
 
-def test_lightning_objects_are_saved_as_plain_data_of_the_same_value(saved):
-    np = pytest.importorskip("numpy")
-    state = torch.load(saved / "meta.pt", weights_only=False)  # a real Lightning trainer state
-    state["hyper_parameters"] = AttributeDict(
-        data_dir=Path("/data"),
-        args=argparse.Namespace(seed=3, nested=argparse.Namespace(files=[Path("a.txt")])),
-        order=OrderedDict(b=1, a=2),
-        counts=Counter(x=2),
-        tags={"a", "b"},
-        shape=torch.Size([2, 3]),
-        device=torch.device("cpu"),
-        dtype=torch.bfloat16,
-        scale=np.float32(0.5),
-        steps=np.int64(7),
-        table={1: "one", (2, 3): None},
-        weights=torch.arange(3.0),
+Span = namedtuple("Span", "start stop")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    mode: Mode = Mode.FAST
+    span: Span = Span(0, 8)
+    data_dir: Path = Path("/data")
+
+
+@dataclasses.dataclass
+class Holder:
+    content: Any = None
+
+
+TRUST = (
+    "If you trust this checkpoint, load it with weights_only=False: trainer.fit(model, ckpt_path=...,"
+    " weights_only=False) (likewise validate, test and predict), consolidate_checkpoint(..., weights_only=False)"
+    " or fsdp-strategy consolidate --no-weights-only."
+)
+
+
+def refused_types(checkpoint: Path, what: str, names: str, classes: str) -> str:
+    return (
+        f"Checkpoint '{checkpoint}' is refused: {what} objects of types that are only loaded from a trusted file: {names}"
+        " (rebuilding an object runs code of its type, so torch.load(weights_only=True) rebuilds only the types it is"
+        f" told are safe). {TRUST} Or, if they are your own types and safe to rebuild, register them in every process"
+        f" before loading: torch.serialization.add_safe_globals([{classes}])."
     )
-    save_trainer_state(saved, state)
-    loaded = load_trainer_state(saved)
 
-    assert type(loaded["hyper_parameters"]) is dict
-    expected = {**state, "hyper_parameters": {
-        "data_dir": "/data",
-        "args": {"seed": 3, "nested": {"files": ["a.txt"]}},
-        "order": OrderedDict(b=1, a=2),
-        "counts": Counter(x=2),
-        "tags": {"a", "b"},
+
+def test_hyper_parameters_are_saved_as_the_objects_themselves(saved):
+    np = pytest.importorskip("numpy")
+    omegaconf = pytest.importorskip("omegaconf")
+    state = torch.load(saved / "meta.pt", weights_only=False)  # a real Lightning trainer state
+    hyper_parameters = {
+        "config": TrainConfig(),
+        "mode": Mode.FAST,
+        "span": Span(1, 2),
+        "data_dir": Path("/data"),
+        "model": omegaconf.OmegaConf.create({"width": 16, "blocks": [{"kind": "attn"}, {"kind": "mlp"}]}),
+        "layers": omegaconf.OmegaConf.create([1, 2]),
+        "args": argparse.Namespace(seed=3, files=[Path("a.txt")]),
+        "extra": AttributeDict(depth=2),
+        "scale": np.float32(0.5),
         "shape": torch.Size([2, 3]),
-        "device": torch.device("cpu"),
-        "dtype": torch.bfloat16,
-        "scale": 0.5,
-        "steps": 7,
-        "table": {1: "one", (2, 3): None},
-        "weights": torch.arange(3.0),
-    }}
-    assert_same(loaded, expected)
+        "tags": {"a", "b"},
+    }
+    state["hyper_parameters"] = hyper_parameters
+    save_trainer_state(saved, state)
+
+    loaded = load_trainer_state(saved, weights_only=False)["hyper_parameters"]
+    assert list(loaded) == list(hyper_parameters)
+    for key, value in hyper_parameters.items():
+        assert type(loaded[key]) is type(value) and loaded[key] == value, key
+    assert type(loaded["config"].mode) is Mode and type(loaded["config"].span) is Span
+    assert type(loaded["model"].blocks[0]) is omegaconf.DictConfig and loaded["model"].blocks[1].kind == "mlp"
+    verify_sharded_checkpoint(saved, weights_only=False)
 
 
-def test_the_conversion_alone_leaves_its_input_untouched():
-    hyper_parameters = AttributeDict(data_dir=Path("/data"), args=argparse.Namespace(seed=3))
-    state = {"epoch": 1, "hyper_parameters": hyper_parameters}
-    plain = to_plain_trainer_state(state, checkpoint=Path("/ck"))
-    assert plain == {"epoch": 1, "hyper_parameters": {"data_dir": "/data", "args": {"seed": 3}}}
-    assert state["hyper_parameters"] is hyper_parameters and hyper_parameters.data_dir == Path("/data")
+def test_paths_and_namespaces_load_without_registering_them(saved):
+    assert ACCEPTED_TYPES == (argparse.Namespace, PurePath, PurePosixPath, PureWindowsPath, Path, PosixPath, WindowsPath)
+    hyper_parameters = {
+        "data_dir": Path("/data"),
+        "relative": PurePosixPath("runs/a"),
+        "windows": PureWindowsPath("C:/data"),
+        "args": argparse.Namespace(seed=3, nested=argparse.Namespace(files=[Path("a.txt")])),
+    }
+    save_trainer_state(saved, {**load_trainer_state(saved), "hyper_parameters": hyper_parameters})
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(saved / "meta.pt")  # torch alone refuses them
+
+    registered = torch.serialization.get_safe_globals()
+    verify_sharded_checkpoint(saved)
+    loaded = load_trainer_state(saved)["hyper_parameters"]
+    assert loaded == hyper_parameters
+    assert [type(value) for value in loaded.values()] == [type(value) for value in hyper_parameters.values()]
+    assert type(loaded["args"].nested.files[0]) is type(Path("a.txt"))
+    assert torch.serialization.get_safe_globals() == registered  # the allow-list is not left registered
+
+    # A type the user registered stays registered after a load that also allowed it.
+    with torch.serialization.safe_globals([type(Path("/data"))]):
+        load_trainer_state(saved)
+        assert type(Path("/data")) in torch.serialization.get_safe_globals()
+
+
+def test_other_types_are_refused_by_default_naming_them_and_both_fixes(saved, tmp_path):
+    state = {**load_trainer_state(saved), "hyper_parameters": {"config": TrainConfig(), "mode": Mode.FAST}}
+    save_trainer_state(saved, state)
+    message = refused_types(
+        saved, "'meta.pt' holds", f"{__name__}.Mode, {__name__}.Span, {__name__}.TrainConfig", "Mode, Span, TrainConfig"
+    )
+    with expect(message):
+        verify_sharded_checkpoint(saved)
+    with expect(message):
+        load_trainer_state(saved)
+
+    # Either fix loads the same objects: trusting the file, or registering the types with torch.
+    assert load_trainer_state(saved, weights_only=False)["hyper_parameters"] == {"config": TrainConfig(), "mode": Mode.FAST}
+    with torch.serialization.safe_globals([TrainConfig, Mode, Span]):
+        verify_sharded_checkpoint(saved)
+        loaded = load_trainer_state(saved)["hyper_parameters"]
+    assert loaded == {"config": TrainConfig(), "mode": Mode.FAST} and type(loaded["config"].span) is Span
+    with expect(message):  # registered only inside the block
+        load_trainer_state(saved)
+
+
+def test_a_type_torch_cannot_rebuild_even_when_registered_is_refused_with_the_trust_fix_only(saved):
+    save_trainer_state(saved, {**load_trainer_state(saved), "hyper_parameters": {"extra": AttributeDict(depth=2)}})
+    with expect(
+        refused_types(saved, "'meta.pt' holds", "lightning.fabric.utilities.data.AttributeDict", "AttributeDict")
+    ):
+        load_trainer_state(saved)
+    # torch's weights-only unpickler fills only plain dicts, OrderedDicts and Counters, whatever is registered.
+    start = f"Checkpoint '{saved}' is refused: 'meta.pt' holds objects that torch.load(weights_only=True) cannot rebuild ("
+    with torch.serialization.safe_globals([AttributeDict]):
+        with pytest.raises(CheckpointError, match=f"^{re.escape(start)}.*AttributeDict.*\\). {re.escape(TRUST)}$"):
+            load_trainer_state(saved)
+    assert load_trainer_state(saved, weights_only=False)["hyper_parameters"] == {"extra": AttributeDict(depth=2)}
+
+
+def test_a_non_tensor_shard_entry_of_another_type_takes_the_same_fixes(tmp_path, single_rank_group):
+    path = tmp_path / "ck"
+    dcp.save({"model": {"w": torch.ones(2)}, "optimizer_0": {"param_groups": [{"mode": Mode.FAST}]}}, checkpoint_id=path)
+    save_trainer_state(path, {"epoch": 0})
+    entry = "optimizer_0.param_groups.0.mode"
+    with expect(refused_types(path, f"shard file '{SHARD}' holds '{entry}' with", f"{__name__}.Mode", "Mode")):
+        verify_sharded_checkpoint(path)
+    verify_sharded_checkpoint(path, weights_only=False)
+    with torch.serialization.safe_globals([Mode]):
+        verify_sharded_checkpoint(path)
+
+
+def local_function():
+    class Local:
+        pass
+
+    return Local()
 
 
 @pytest.mark.parametrize(
-    ("state", "detail"),
+    ("state", "where", "kind", "hint"),
     [
         (
-            {"hyper_parameters": {"loss_fn": nn.MSELoss()}},
-            "checkpoint['hyper_parameters']['loss_fn'] is a torch.nn.modules.loss.MSELoss, and 'meta.pt' only holds"
-            " plain data (dicts, lists, tuples, sets, str, int, float, bool, None and tensors) so that it can be loaded"
-            " without running code stored in it. Leave it out of the hyper-parameters:"
+            {"hyper_parameters": {"loss_fn": lambda x: x}},
+            "checkpoint['hyper_parameters']['loss_fn']",
+            "function",
+            " Define it at module level, or leave it out of the hyper-parameters:"
             " self.save_hyperparameters(ignore=['loss_fn']).",
         ),
         (
-            {"callbacks": {"Tuner{'mode': 'fast'}": {"mode": Mode.FAST}}},
-            f"checkpoint['callbacks'][\"Tuner{{'mode': 'fast'}}\"]['mode'] is a {__name__}.Mode, and 'meta.pt' only"
-            " holds plain data (dicts, lists, tuples, sets, str, int, float, bool, None and tensors) so that it can be"
-            " loaded without running code stored in it. Store its value ('fast') instead.",
+            {"hyper_parameters": {"config": Holder(content={"schedule": [1, local_function()]})}},
+            "checkpoint['hyper_parameters']['config'].content['schedule'][1]",
+            f"{__name__}.local_function.<locals>.Local",
+            " Define it at module level, or leave it out of the hyper-parameters:"
+            " self.save_hyperparameters(ignore=['config']).",
         ),
         (
-            {"loops": [0, (1, print)]},
-            "checkpoint['loops'][1][1] is a builtin_function_or_method, and 'meta.pt' only holds plain data (dicts,"
-            " lists, tuples, sets, str, int, float, bool, None and tensors) so that it can be loaded without running"
-            " code stored in it. Store it as plain data instead (in the callback's state_dict or the module's"
-            " on_save_checkpoint).",
+            {"callbacks": {"Tuner{'mode': 'fast'}": {"history": [0, (1, local_function())]}}},
+            "checkpoint['callbacks'][\"Tuner{'mode': 'fast'}\"]['history'][1][1]",
+            f"{__name__}.local_function.<locals>.Local",
+            " Define it at module level, or store it in a form that pickles (e.g. plain data).",
         ),
     ],
-    ids=["module-hyper-parameter", "enum-in-callback-state", "function-in-a-list"],
+    ids=["lambda-hyper-parameter", "local-class-in-a-dataclass", "local-class-in-callback-state"],
 )
-def test_objects_that_are_not_plain_data_are_refused_by_key_path_before_anything_is_written(tmp_path, state, detail):
-    message = f"Cannot save the trainer state of checkpoint '{tmp_path}' to 'meta.pt': {detail}"
-    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+def test_what_torch_save_cannot_pickle_is_refused_by_key_path_before_anything_is_written(tmp_path, state, where, kind, hint):
+    start = f"Cannot save the trainer state of checkpoint '{tmp_path}' to 'meta.pt': {where} is a {kind}, which torch.save cannot pickle ("
+    with pytest.raises(TypeError, match=f"^{re.escape(start)}.+\\){re.escape('.' + hint)}$"):
+        check_trainer_state(state, checkpoint=tmp_path)
+    with pytest.raises(TypeError, match=f"^{re.escape(start)}"):
         save_trainer_state(tmp_path, state)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dtensor_in_the_trainer_state_is_refused_before_anything_is_written(tmp_path, mesh):
+    model = fully_shard(nn.Linear(2, 2), mesh=mesh)
+    state = {"callbacks": {"EMA": {"shadow": {"weight": model.weight.detach()}}}}
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"Cannot save the trainer state of checkpoint '{tmp_path}' to 'meta.pt': checkpoint['callbacks']['EMA']"
+            "['shadow']['weight'] is a DTensor, and 'meta.pt' is written by rank 0 alone, so it would hold rank 0's"
+            " shard only. Save value.full_tensor() instead."
+        ),
+    ):
+        save_trainer_state(tmp_path, state)
+    assert list(tmp_path.iterdir()) == []
+
+
+class ConfiguredLM(TinyLM):
+    """The module that wrote tests/data/meta_4b3e3e0.pt (fsdp-strategy at commit 4b3e3e0, before this change)."""
+
+    def __init__(self, data_dir: Path = Path("/data/tokens"), args=argparse.Namespace(seed=3), n_layer: int = 1) -> None:
+        super().__init__(n_layer=n_layer)
+        self.save_hyperparameters()
+
+
+def test_a_trainer_state_written_as_plain_data_by_the_former_version_still_loads_and_resumes(trainer_env, tmp_path):
+    def trainer(max_steps: int) -> lightning.Trainer:
+        return lightning.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=fsdp_strategy.FSDP2Strategy(state_dict_type="sharded"),
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+
+    first = trainer(2)
+    first.fit(ConfiguredLM(), token_loader(samples=16))
+    first.save_checkpoint(tmp_path / "ck")
+    # The former version wrote meta.pt as plain data (paths as str, namespaces as dicts); DCP's part is unchanged.
+    shutil.copyfile(Path(__file__).parent / "data" / "meta_4b3e3e0.pt", tmp_path / "ck" / "meta.pt")
+    verify_sharded_checkpoint(tmp_path / "ck")
+    state = load_trainer_state(tmp_path / "ck")
+    assert state["hyper_parameters"] == {"data_dir": "/data/tokens", "args": {"seed": 3}, "n_layer": 1}
+    assert state["global_step"] == 2
+
+    trainer_env.fresh()
+    resumed = trainer(4)
+    resumed.fit(ConfiguredLM(), token_loader(samples=16), ckpt_path=tmp_path / "ck")
+    assert resumed.global_step == 4
 
 
 # --- a checkpoint of another model ----------------------------------------------------------------
