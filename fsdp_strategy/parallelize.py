@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp import (
     FSDPModule,
     MixedPrecisionPolicy,
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.utils.checkpoint import checkpoint
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy.policy import ModulePolicy, class_name, select_modules
 from fsdp_strategy.precision import FULL_PRECISION_POLICY, is_normalization
@@ -32,6 +34,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_fully_shard",
+    "load_full_tensors_into_shards",
     "plan_units",
 ]
 
@@ -110,6 +113,31 @@ def apply_fully_shard(
     for method in STEP_METHODS:
         if hasattr(model, method) and _is_user_method(model, method):
             register_fsdp_forward_method(model, method)
+
+
+def load_full_tensors_into_shards(model: nn.Module) -> list[RemovableHandle]:
+    """Lets ``module.load_state_dict`` take plain full tensors, as a module under DDP does, while ``model``
+    is sharded: each rank keeps its own shard of every full tensor given for a sharded parameter.
+
+    Callbacks and user code restore weights this way in the middle of training (Lightning's
+    ModelCheckpoint under manual optimization, "restore the best weights" callbacks); every rank then
+    holds the same full tensors, so slicing needs no communication.
+    """
+    handles = []
+    for module in model.modules():
+        if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            handles.append(module.register_load_state_dict_pre_hook(_shard_full_tensors))
+    return handles
+
+
+def _shard_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *_: object) -> None:
+    # load_state_dict hands hooks its own copy of the dict: replacing entries leaves the caller's intact.
+    for name, param in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if value.shape == param.shape:
+                local = value.to(device=param.to_local().device, dtype=param.dtype)
+                state_dict[prefix + name] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
 
 
 def _is_user_method(model: nn.Module, method: str) -> bool:

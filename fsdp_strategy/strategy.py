@@ -27,6 +27,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -47,6 +48,7 @@ from fsdp_strategy.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fully_shard,
+    load_full_tensors_into_shards,
     plan_units,
 )
 from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
@@ -201,6 +203,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._state_dict_type = state_dict_type
         self._checkpoint_format: str | None = None  # "sharded" or "full": state_dict_type, with "auto" decided in setup()
         self._before_sharding: ShardingSnapshot | None = None
+        self._load_hooks: list[Any] = []
         self._async_save = async_save
         self._pending_save: _PendingSave | None = None
         self._async_group: Any = None
@@ -417,6 +420,7 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        _refuse_weight_copying_callbacks(trainer)
         if not isinstance(self.model, FSDPModule):  # a model left sharded by an earlier stage is reused
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(self.model)
@@ -473,6 +477,7 @@ class FSDP2Strategy(ParallelStrategy):
             reshard_after_forward=self._reshard_after_forward,
         )
         self._before_sharding.added()
+        self._load_hooks = load_full_tensors_into_shards(model)
         was_meta = has_meta_tensors(model)
         materialize(model, self._param_device(), deferred)
         if isinstance(self._offload_policy, CPUOffloadPolicy):
@@ -758,8 +763,10 @@ class FSDP2Strategy(ParallelStrategy):
                 " consolidated checkpoint (`fsdp-strategy consolidate`) into a fresh module."
             )
             return
+        for handle in self._load_hooks:
+            handle.remove()
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
-        self._before_sharding = None
+        self._before_sharding, self._load_hooks = None, []
 
 
 class _PendingSave:
@@ -790,6 +797,22 @@ class _PendingSave:
         self._done.wait()
         if self._publish_error is not None:
             raise self._publish_error
+
+
+def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:
+    """Lightning's weight-averaging callbacks keep a plain copy of the model and copy weights between it and
+    the module, which is sharded here: they would fail mid-run with "mixed torch.Tensor and DTensor"."""
+    from lightning.pytorch import callbacks
+
+    # WeightAveraging (EMA) exists from Lightning 2.6 on.
+    averaging = tuple(getattr(callbacks, name) for name in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, name))
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, averaging):
+            raise MisconfigurationException(
+                f"{type(callback).__name__} does not support sharded models: it keeps a full, unsharded copy of"
+                " the model and copies weights between that copy and the module, which FSDP2Strategy shards"
+                " (Lightning's FSDPStrategy refuses it too). Train with strategy='ddp' to average weights with it."
+            )
 
 
 def _check_bool(option: str, value: Any) -> None:

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_strategy.parallelize import (
+    load_full_tensors_into_shards,
     apply_activation_checkpointing,
     apply_fully_shard,
     plan_units,
@@ -205,3 +206,29 @@ def test_activation_checkpointing_keeps_keys_and_gradients_and_recomputes_forwar
     assert calls == {"plain": 1, "checkpointed": 2}  # recomputed once in backward
     for (name, ref), param in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(param.grad, ref.grad), name
+
+
+def test_a_sharded_module_loads_a_plain_full_state_dict_as_under_ddp(mesh):
+    torch.manual_seed(0)
+    source = TinyLM()
+    model = TinyLM()
+    shard(model, mesh)
+    handles = load_full_tensors_into_shards(model)
+    state = source.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+
+    model.blocks[0].load_state_dict({k.removeprefix("blocks.0."): v for k, v in state.items() if k.startswith("blocks.0.")})
+    model.load_state_dict(state)
+
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and torch.equal(full(param), state[name]), name
+    assert all(torch.equal(state[k], before[k]) and not isinstance(state[k], DTensor) for k in state)  # caller's dict untouched
+    for handle in handles:
+        handle.remove()
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:  # without the hooks: FSDP2's own refusal
+        assert "DTensor" in str(error)
+    else:
+        raise AssertionError("a plain state dict loaded into DTensor parameters without the hooks")
+
