@@ -6,10 +6,7 @@ import atexit
 import logging
 import math
 import os
-import threading
-import uuid
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -40,7 +36,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity, rendezvous
+from fsdp_strategy import integrity, rendezvous, saving
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -199,9 +195,8 @@ class FSDP2Strategy(ParallelStrategy):
         self._meta_init = meta_init
         self._state_dict_type = state_dict_type
         self._async_save = async_save
-        self._pending_save: _PendingSave | None = None
+        self._saves = saving.BackgroundSave()
         self._async_group: Any = None
-        self._save_executor: ThreadPoolExecutor | None = None
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
@@ -410,9 +405,17 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not isinstance(self.model, FSDPModule):  # fit -> validate reuses the sharded model
+        saving.check_checkpoint_io(
+            self.checkpoint_io,
+            sharded=self._writes_sharded_checkpoints(),
+            async_save=self._async_save,
+            strategy=type(self).__name__,
+        )
+        if not isinstance(self.model, FSDPModule):
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(self.model)
+        else:  # fit -> validate reuses the sharded model, which the last teardown moved to CPU
+            self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -540,8 +543,14 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # fully_shard already placed every sharded parameter; parallelize() moved the rest.
-        pass
+        # parallelize() placed a new module; this brings back one that a teardown moved to CPU.
+        assert self.model is not None
+        if isinstance(self._offload_policy, CPUOffloadPolicy):
+            for module in self.model.modules():  # offloaded shards stay on the host, buffers go back
+                for name, buffer in module.named_buffers(recurse=False):
+                    setattr(module, name, buffer.to(self.root_device))
+        else:
+            self.model.to(self.root_device)
 
     @contextmanager
     @override
@@ -606,122 +615,94 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
-        crash mid-save leaves the previous checkpoints intact. With ``async_save`` the writing runs in
-        the background and the next save (or load, or the end of training) waits for it."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`; got {storage_options!r}.")
+        crash or a failed write leaves the previous checkpoints intact; a failure on any rank raises
+        :class:`~fsdp_strategy.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
+        runs in the background and the next save (or load, or the end of the stage) waits for it.
+        Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
+        sharded = self._writes_sharded_checkpoints()
+        if sharded and storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take `storage_options` for sharded checkpoints; got"
+                f" {storage_options!r}. They are meant for a CheckpointIO plugin, which writes single files: pass"
+                ' `state_dict_type="full"`.'
+            )
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(filepath)))
-        token = self.broadcast(uuid.uuid4().hex[:16])
-        if self._state_dict_type == "full":
-            if self.is_global_zero:
-                if self._async_save:
-                    self._pending_save = _PendingSave(self._executor().submit(ckpt.save_full_file, path, checkpoint, token))
-                else:
-                    ckpt.save_full_file(path, checkpoint, token)
-            self.barrier()
-            return
-        staging = ckpt.staging_path(path, token)
-        # Refuse trainer state that is not plain data on every rank, before any rank starts writing.
-        integrity.to_plain_trainer_state(ckpt.split_checkpoint(checkpoint)[1], checkpoint=path)
-        if not self._async_save:
-            ckpt.save_sharded(staging, checkpoint, is_rank_zero=self.is_global_zero)
-            if self.is_global_zero:
-                ckpt.publish(staging, path)
-            self.barrier()
-            return
-        tensors, rest = ckpt.split_checkpoint(checkpoint)
+        token = self.broadcast(saving.staging_token())
         if self.is_global_zero:
-            ckpt.write_trainer_state(staging, rest)
-        # Tensors are copied to host memory before async_save returns; training may change them after.
-        future = dcp.async_save(tensors, checkpoint_id=staging, process_group=self._checkpoint_group())
-        self._pending_save = _PendingSave(future, staging=staging, path=path if self.is_global_zero else None)
+            saving.remove_stale_staging(path.parent)
+        background = self._saves if self._async_save else None
+        if sharded:
+            saving.save_sharded(
+                checkpoint, path, token, rank=self.global_rank, background=background, group=self._checkpoint_group
+            )
+        elif storage_options is not None or not saving.is_default_checkpoint_io(self.checkpoint_io):
+            # The plugin writes the file as under DDP (Lightning's TorchCheckpointIO refuses `storage_options`).
+            saving.save_through(self.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=self.global_rank)
+        else:
+            live = lambda: saving.live_storages(self.model, self._plain_optimizers())  # noqa: E731
+            saving.save_full(checkpoint, path, token, rank=self.global_rank, background=background, live=live)
 
     def wait_for_checkpoint(self) -> None:
-        """Blocks until a background save has finished; raises its error if it failed."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.wait()
-            self.barrier()
+        """Blocks until a background save has finished; if it failed on any rank, raises its error on every rank."""
+        outcome = self._saves.wait()
+        if outcome is not None:
+            saving.settle(outcome.error, checkpoint=outcome.checkpoint, staging=outcome.staging, rank=self.global_rank)
+
+    def _writes_sharded_checkpoints(self) -> bool:
+        return self._state_dict_type != "full"
+
+    def _plain_optimizers(self) -> list[Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def _checkpoint_group(self) -> Any:
         # Background saves talk over their own gloo group, so they never interleave with the
         # training collectives on the default group.
         if self._async_group is None:
-            self._async_group = torch.distributed.new_group(backend="gloo")
+            self._async_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
         return self._async_group
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._save_executor is None:
-            self._save_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-checkpoint")
-        return self._save_executor
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = self._plain_optimizers()
         strict = self.lightning_module.strict_loading
         if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
             # Rank 0 checks every file before any rank unpickles or reads one.
             self._on_rank_zero(lambda: integrity.verify_sharded_checkpoint(path), integrity.CheckpointError)
             return ckpt.load_sharded(path, self.model, optimizers, strict=strict)
-        checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        if saving.is_default_checkpoint_io(self.checkpoint_io):
+            checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        else:
+            source = checkpoint_path if Path(checkpoint_path) == path else path
+            checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+            ckpt.require_state_dict(checkpoint, path)
         ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if not self.is_global_zero:
-            return
-        if self._pending_save is not None:
-            # Remove the older checkpoint only once its replacement is safely written.
-            self._pending_save.remove_after_success.append(Path(filepath))
-        else:
-            ckpt.remove_path(Path(filepath))
+        if self.is_global_zero:
+            # Not before the save in the background that replaces it is in place.
+            self._saves.defer_removal(filepath, saving.remover(self.checkpoint_io))
 
     @override
     def teardown(self) -> None:
-        # Sharded parameters stay where they are: moving them to CPU would gather nothing and cost a copy.
-        if not self._peer_lost:  # waiting would end in a barrier that the lost peer never joins
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        # Settling a save is a collective: not after an exception (the peers may be elsewhere), nor
+        # with a peer lost (it would never join).
+        if not self._peer_lost and not (trainer is not None and trainer.interrupted):
             self.wait_for_checkpoint()
+        if not self._peer_lost:
+            self._saves.close()
         if self._membership is not None:
             self._membership.stop()
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
-
-class _PendingSave:
-    """A background save; on rank 0 its completion publishes the checkpoint under its final name."""
-
-    def __init__(self, future: Future, *, staging: Path | None = None, path: Path | None = None) -> None:
-        self.future = future
-        self.remove_after_success: list[Path] = []
-        self._publish_error: BaseException | None = None
-        self._done = threading.Event()
-        self._staging, self._path = staging, path
-        future.add_done_callback(self._finish)
-
-    def _finish(self, future: Future) -> None:
-        try:
-            if future.exception() is None:
-                if self._path is not None and self._staging is not None:
-                    ckpt.publish(self._staging, self._path)
-                for path in self.remove_after_success:
-                    ckpt.remove_path(path)
-        except BaseException as error:  # surfaced by wait(), on the training thread
-            self._publish_error = error
-        finally:
-            self._done.set()
-
-    def wait(self) -> None:
-        self.future.result()  # re-raises a failed write
-        self._done.wait()
-        if self._publish_error is not None:
-            raise self._publish_error
+        # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU
+        # accelerator) and tears down the CheckpointIO plugin; a later stage with the same Trainer
+        # moves them back in setup().
+        super().teardown()
 
 
 def _check_bool(option: str, value: Any) -> None:
