@@ -496,10 +496,15 @@ def check_checkpoint_io(plugin: CheckpointIO, *, sharded: bool, async_save: bool
             + (" For background saves of shards, use `async_save=True` instead." if isinstance(plugin, AsyncCheckpointIO) else "")
         )
     if async_save:
+        background = (
+            f"{name} saves in the background itself"
+            if isinstance(plugin, AsyncCheckpointIO)
+            else f"to save in the background through {name}, wrap it in"
+            " `lightning.pytorch.plugins.io.AsyncCheckpointIO`, as with DDP"
+        )
         raise ValueError(
             f"`{strategy}(async_save=True)` writes checkpoints with its own background thread and cannot run the"
-            f" CheckpointIO plugin {name} there. Pass `async_save=False`; to save in the background through"
-            f" {name}, wrap it in `lightning.pytorch.plugins.io.AsyncCheckpointIO`, as with DDP."
+            f" CheckpointIO plugin {name} there. Pass `async_save=False`; {background}."
         )
 
 

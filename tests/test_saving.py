@@ -346,3 +346,13 @@ def test_storage_options_for_the_default_checkpoint_io_fail_as_under_ddp(trainer
     assert errors["fsdp2"] == errors["ddp"]
     assert "storage_options" in errors["ddp"] and not list(tmp_path.glob("*.ckpt"))
     assert not list(tmp_path.glob(".partial-*"))
+
+
+def test_lightnings_async_checkpoint_io_is_named_with_the_strategys_own_background_saves():
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    with pytest.raises(ValueError, match=re.escape("For background saves of shards, use `async_save=True` instead.")):
+        saving.check_checkpoint_io(AsyncCheckpointIO(), sharded=True, async_save=False, strategy="FSDP2Strategy")
+    with pytest.raises(ValueError, match=re.escape("Pass `async_save=False`; AsyncCheckpointIO saves in the background itself.")):
+        saving.check_checkpoint_io(AsyncCheckpointIO(), sharded=False, async_save=True, strategy="FSDP2Strategy")
+    saving.check_checkpoint_io(AsyncCheckpointIO(), sharded=False, async_save=False, strategy="FSDP2Strategy")
