@@ -98,9 +98,11 @@ class FSDP2Strategy(ParallelStrategy):
             initialize them shard by shard with ``reset_parameters()``. Turn off when
             ``configure_model`` loads weights.
         state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory, every rank writes its
-            shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0).
+            shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0, through
+            the Trainer's ``CheckpointIO`` plugin if one is given).
         async_save: write checkpoints in the background while training continues; a new save
-            waits for the previous one, and a failed write raises at the next save or at the end.
+            waits for the previous one, and a failed write raises on every rank at the next save or
+            at the end.
         init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
             plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
