@@ -6,8 +6,9 @@ Scenarios (``--scenarios``, several per launch; rank 0 writes the results to ``-
   metric, so older ones are removed, plus ``last.ckpt``), then a fresh Trainer resumes from the
   step-6 checkpoint to step 12. Results: the files left, the resumed parameters.
 - ``plugin``: DDP and FSDP2 (``state_dict_type="full"``) with a user ``CheckpointIO`` plugin that
-  records its calls: fit with top-k saves, ``trainer.test()`` with the same Trainer, a save with
-  ``storage_options``, then a resume through the plugin. Results: every rank's calls, the files.
+  records its calls, alone and wrapped in Lightning's ``AsyncCheckpointIO``: fit with top-k saves,
+  ``trainer.test()`` with the same Trainer, a save with ``storage_options``, then a resume through
+  the plugin. Results: every rank's calls, the files.
 - ``disk_full``: each run in ``--runs`` fits while one rank's disk "fills up" (an injected ``ENOSPC``
   after ``--room`` bytes) from the save at step 4 on; every rank records the error it raised; then a
   fresh Trainer resumes from ``last.ckpt`` without saving.
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -144,10 +146,12 @@ def during_fit(root: Path, runs: list[str]) -> dict:
 
 
 def plugin(root: Path, runs: list[str]) -> dict:
+    """Each run with the plugin, then with the plugin wrapped in Lightning's AsyncCheckpointIO (``<run>_async_io``)."""
     results = {}
-    for run in runs:
-        directory = root / f"plugin_{run}"
-        io = RecordingIO()
+    for run, name in [(run, f"{run}{suffix}") for suffix in ("", "_async_io") for run in runs]:
+        directory = root / f"plugin_{name}"
+        recording = RecordingIO()
+        io = AsyncCheckpointIO(recording) if name.endswith("_async_io") else recording
         L.seed_everything(42)
         trainer = make_trainer(run, max_steps=8, callbacks=[checkpointing(directory)], plugins=[io])
         model = Module()
@@ -156,9 +160,9 @@ def plugin(root: Path, runs: list[str]) -> dict:
         trainer.save_checkpoint(directory / "extra.ckpt", storage_options={"tier": "cold"})
         resumed = resume(run, directory / "last.ckpt", max_steps=10, plugins=[io])
         calls: list = [None] * dist.get_world_size()
-        dist.all_gather_object(calls, io.calls)
-        files = {name: torch.load(directory / name, weights_only=False) for name in listing(directory)}
-        results[run] = {"calls": calls, "files": files, "test": tested, **resumed}
+        dist.all_gather_object(calls, recording.calls)
+        files = {file: torch.load(directory / file, weights_only=False) for file in listing(directory)}
+        results[name] = {"calls": calls, "files": files, "test": tested, **resumed}
     return results
 
 

@@ -47,22 +47,28 @@ def test_on_two_ranks_saves_during_fit_and_a_checkpoint_io_plugin_behave_as_unde
     results = save_worker(tmp_path, args, nproc=2)
     assert_saved_during_fit_as_under_ddp(results["during_fit"], tmp_path)
 
-    ddp, fsdp2 = results["plugin"]["ddp"], results["plugin"]["fsdp2_full"]
+    plugin = results["plugin"]
+    ddp, fsdp2 = plugin["ddp"], plugin["fsdp2_full"]
     # The same calls on every rank: saves and top-k removals on rank 0, `storage_options` passed
     # through, a load on every rank, and the plugin's teardown after fit, test and the resumed fit.
     assert fsdp2["calls"] == ddp["calls"]
     rank0, rank1 = ddp["calls"]
     assert ("remove", "epoch=0-step=2.ckpt") in rank0 and ("save", "extra.ckpt", {"tier": "cold"}) in rank0
     assert rank1 == [("teardown",), ("teardown",), ("load", "last.ckpt", None), ("teardown",)]
-    # The same files, written by the plugin (its extra key), holding the same state.
-    assert fsdp2["files"].keys() == ddp["files"].keys() == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt", "extra.ckpt"}
-    for name, saved in fsdp2["files"].items():
-        assert saved.keys() == ddp["files"][name].keys() and saved["saved_by"] == "RecordingIO", name
-        assert max_relative_difference(saved["state_dict"], ddp["files"][name]["state_dict"]) <= 1e-5, name
-    # trainer.test() after fit with the same Trainer, then a resume through the plugin.
-    assert fsdp2["test"][0]["test_loss"] == pytest.approx(ddp["test"][0]["test_loss"], rel=1e-5)
-    assert fsdp2["started_at"] == ddp["started_at"] == 8
-    assert max_relative_difference(fsdp2["params"], ddp["params"]) <= 1e-5
+    # Wrapped in AsyncCheckpointIO, the plugin saves on a thread: the same calls, in an order of its own.
+    async_ddp, async_fsdp2 = plugin["ddp_async_io"], plugin["fsdp2_full_async_io"]
+    assert [sorted(map(repr, calls)) for calls in async_fsdp2["calls"]] == [sorted(map(repr, c)) for c in async_ddp["calls"]]
+    for run, reference in (("fsdp2_full", ddp), ("fsdp2_full_async_io", async_ddp)):
+        result = plugin[run]
+        # The same files, written by the plugin (its extra key), holding the same state.
+        assert result["files"].keys() == reference["files"].keys() == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt", "extra.ckpt"}
+        for name, saved in result["files"].items():
+            assert saved.keys() == reference["files"][name].keys() and saved["saved_by"] == "RecordingIO", (run, name)
+            assert max_relative_difference(saved["state_dict"], reference["files"][name]["state_dict"]) <= 1e-5, (run, name)
+        # trainer.test() after fit with the same Trainer, then a resume through the plugin.
+        assert result["test"][0]["test_loss"] == pytest.approx(reference["test"][0]["test_loss"], rel=1e-5), run
+        assert result["started_at"] == reference["started_at"] == 8, run
+        assert max_relative_difference(result["params"], reference["params"]) <= 1e-5, run
 
 
 def assert_failed_on_every_rank_and_resumable(results: dict, directory: Path, *, failing_rank: dict[str, str]) -> None:
