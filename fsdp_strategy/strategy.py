@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity, rendezvous, saving
+from fsdp_strategy import background, integrity, rendezvous, saving
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -197,7 +197,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._meta_init = meta_init
         self._state_dict_type = state_dict_type
         self._async_save = async_save
-        self._saves = saving.BackgroundSave()
+        self._saves = background.BackgroundSave()
         self._async_group: Any = None
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
@@ -633,17 +633,17 @@ class FSDP2Strategy(ParallelStrategy):
         token = self.broadcast(saving.staging_token())
         if self.is_global_zero:
             saving.remove_stale_staging(path.parent)
-        background = self._saves if self._async_save else None
+        in_background = self._saves if self._async_save else None
         if sharded:
             saving.save_sharded(
-                checkpoint, path, token, rank=self.global_rank, background=background, group=self._checkpoint_group
+                checkpoint, path, token, rank=self.global_rank, background=in_background, group=self._checkpoint_group
             )
         elif storage_options is not None or not saving.is_default_checkpoint_io(self.checkpoint_io):
             # The plugin writes the file as under DDP (Lightning's TorchCheckpointIO refuses `storage_options`).
             saving.save_through(self.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=self.global_rank)
         else:
-            live = lambda: saving.live_storages(self.model, self._plain_optimizers())  # noqa: E731
-            saving.save_full(checkpoint, path, token, rank=self.global_rank, background=background, live=live)
+            live = lambda: background.live_storages(self.model, self._plain_optimizers())  # noqa: E731
+            saving.save_full(checkpoint, path, token, rank=self.global_rank, background=in_background, live=live)
 
     def wait_for_checkpoint(self) -> None:
         """Blocks until a background save has finished; if it failed on any rank, raises its error on every rank."""

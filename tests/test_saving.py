@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,14 +16,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-import torch.distributed.checkpoint as dcp
-
-from fsdp_strategy import FSDP2Strategy, saving
+from fsdp_strategy import FSDP2Strategy, background, saving
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.saving import CheckpointSaveError
 from integration_tests.faults import Disk
@@ -194,7 +192,7 @@ def test_a_staging_token_names_its_writer_and_never_holds_last():
 def test_a_removal_asked_after_the_background_save_finished_happens_at_once(tmp_path):
     old = tmp_path / "old.ckpt"
     old.write_bytes(b"x")
-    saves = saving.BackgroundSave()
+    saves = background.BackgroundSave()
     done: Future = Future()
     saves.submit(done, checkpoint=tmp_path / "new.ckpt", staging=None)
     done.set_result(None)  # the write finished before ModelCheckpoint asked to remove what it replaces
@@ -205,7 +203,7 @@ def test_a_removal_asked_after_the_background_save_finished_happens_at_once(tmp_
 
 def test_a_removal_waits_for_the_replacement_and_is_dropped_if_that_fails(tmp_path):
     events: list[str] = []
-    saves = saving.BackgroundSave()
+    saves = background.BackgroundSave()
     for outcome in ("ok", "fails"):
         future: Future = Future()
         saves.submit(future, checkpoint=tmp_path / "new.ckpt", staging=None, then=lambda: events.append("published"))
@@ -221,7 +219,7 @@ def test_a_removal_waits_for_the_replacement_and_is_dropped_if_that_fails(tmp_pa
 
 
 def test_a_second_submit_before_wait_is_refused(tmp_path):
-    saves = saving.BackgroundSave()
+    saves = background.BackgroundSave()
     saves.submit(None, checkpoint=tmp_path / "a", staging=None)
     with pytest.raises(RuntimeError, match=re.escape("A background save is still pending")):
         saves.submit(None, checkpoint=tmp_path / "b", staging=None)
@@ -233,7 +231,7 @@ def test_a_snapshot_copies_the_tensors_training_changes_in_place(mesh):
     model = sharded_tinylm(mesh, seed=0)
     optimizer = adamw(model)
     train_step(model, optimizer)
-    live = saving.live_storages(model, [optimizer])
+    live = background.live_storages(model, [optimizer])
     fresh = torch.zeros(3)
     checkpoint = {
         "state_dict": {**ckpt.model_state(model, full=True), "fresh": fresh},
@@ -241,13 +239,13 @@ def test_a_snapshot_copies_the_tensors_training_changes_in_place(mesh):
         "callbacks": {"ModelCheckpoint": {"best_model_score": torch.tensor(1.0)}},
     }
     # On one rank a "full" tensor is the parameter itself, and the optimizer's step count is live on any number.
-    assert all(saving._storage(t) in live for t in checkpoint["state_dict"].values() if t is not fresh)
+    assert all(background._storage(t) in live for t in checkpoint["state_dict"].values() if t is not fresh)
 
-    frozen = saving.snapshot(checkpoint, live)
+    frozen = background.snapshot(checkpoint, live)
     train_step(model, optimizer, batch_idx=1)
 
     tensors = [*frozen["state_dict"].values(), *(v for s in frozen["optimizer_states"][0]["state"].values() for v in s.values())]
-    assert not any(saving._storage(t) in live for t in tensors)
+    assert not any(background._storage(t) in live for t in tensors)
     assert frozen["state_dict"]["fresh"] is fresh  # not live: no copy
     assert frozen["callbacks"]["ModelCheckpoint"]["best_model_score"] is not checkpoint["callbacks"]["ModelCheckpoint"]["best_model_score"]
     assert not torch.equal(frozen["state_dict"]["blocks.0.attn_q.weight"], full(model.blocks[0].attn_q.weight))
