@@ -14,11 +14,13 @@ from fsdp_strategy.monitor import ShardingMonitor
 from fsdp_strategy.policy import PolicyInput
 from fsdp_strategy.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.rendezvous import PeerLostError
+from fsdp_strategy.saving import CheckpointSaveError
 from fsdp_strategy.strategy import FSDP2Strategy
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
     "CheckpointError",
+    "CheckpointSaveError",
     "Estimate",
     "FSDP2Strategy",
     "NonFiniteGradientError",

@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,14 +32,17 @@ from fsdp_strategy import integrity
 
 __all__ = [
     "METADATA_FILENAME",
+    "ShardWriter",
     "is_sharded_checkpoint",
     "load_full",
     "read_full_checkpoint",
     "load_full_weights",
     "read_full_weights",
+    "require_state_dict",
     "load_sharded",
     "model_state",
     "optimizer_state",
+    "os_error_in",
     "publish",
     "remove_path",
     "save_full_file",
@@ -87,15 +92,56 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 
 
 def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
-    """Every rank writes its shards into ``staging``; rank 0 also writes the trainer state to ``meta.pt``.
+    """Every rank writes its shards into ``staging``; then rank 0 writes the trainer state to ``meta.pt``.
 
     When this returns on rank 0, every rank has written its shards: DCP's coordinator writes
-    ``.metadata`` only after gathering all ranks' write results.
+    ``.metadata`` only after gathering all ranks' write results. A rank's failure is raised on every
+    rank by DCP (as ``CheckpointException``), so rank 0 writes ``meta.pt`` only after all shards are in.
     """
     tensors, rest = split_checkpoint(checkpoint)
+    dcp.save(tensors, storage_writer=ShardWriter(staging))
     if is_rank_zero:
         write_trainer_state(staging, rest)
-    dcp.save(tensors, checkpoint_id=staging)
+
+
+class ShardWriter(FileSystemWriter):
+    """DCP's file writer, except that a failed write raises the ``OSError`` behind it.
+
+    torch's zip writer turns a failed ``write`` (a full disk) into ``RuntimeError: ... unexpected pos``,
+    keeping the ``OSError`` only as its ``__context__``; DCP then pickles the failing rank's error to
+    every rank, which drops that context. Raising the ``OSError`` itself keeps its errno on every rank.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with _raising_os_error():
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        with _raising_os_error():
+            super().finish(metadata, results)
+
+
+@contextmanager
+def _raising_os_error() -> Generator[None, None, None]:
+    try:
+        yield
+    except Exception as error:
+        cause = os_error_in(error)
+        if cause is None or cause is error:
+            raise
+        raise OSError(cause.errno, cause.strerror, cause.filename) from error
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``error``'s chain of causes and contexts (``error`` itself included)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def write_trainer_state(staging: Path, state: dict[str, Any]) -> None:
@@ -118,13 +164,21 @@ def publish(staging: Path, path: Path) -> None:
 
 
 def save_full_file(path: Path, checkpoint: dict[str, Any], token: str) -> None:
-    """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place."""
+    """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place.
+
+    The directory is created as Lightning's ``TorchCheckpointIO`` creates it; a failed write removes
+    its staging file and leaves any older checkpoint at ``path`` as it was.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(path, token)
-    path.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's TorchCheckpointIO does
-    with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
-        torch.save(checkpoint, file)
-        file.flush()
-        os.fsync(file.fileno())
+    try:
+        with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        remove_path(staging)
+        raise
     if path.is_dir():
         publish(staging, path)
     else:
@@ -160,7 +214,11 @@ def load_sharded(
 
 def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
     """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.integrity.CheckpointError`."""
-    checkpoint = _load_file(path, weights_only=weights_only)
+    return require_state_dict(_load_file(path, weights_only=weights_only), path)
+
+
+def require_state_dict(checkpoint: Any, path: Path) -> dict[str, Any]:
+    """``checkpoint`` if it is a Lightning checkpoint (a dict with a ``state_dict``); else a named error."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise integrity.CheckpointError(
             f"Checkpoint '{path}' is not a Lightning checkpoint: '{path.name}' has no 'state_dict' entry.",

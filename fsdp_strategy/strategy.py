@@ -6,10 +6,7 @@ import atexit
 import logging
 import math
 import os
-import threading
-import uuid
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -41,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity, rendezvous, trainer_call
+from fsdp_strategy import background, integrity, rendezvous, saving, trainer_call
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -105,9 +101,11 @@ class FSDP2Strategy(ParallelStrategy):
             initialize them shard by shard with ``reset_parameters()``. Turn off when
             ``configure_model`` loads weights.
         state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory, every rank writes its
-            shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0).
+            shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0, through
+            the Trainer's ``CheckpointIO`` plugin if one is given).
         async_save: write checkpoints in the background while training continues; a new save
-            waits for the previous one, and a failed write raises at the next save or at the end.
+            waits for the previous one, and a failed write raises on every rank at the next save or
+            at the end.
         init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
             plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
@@ -205,9 +203,8 @@ class FSDP2Strategy(ParallelStrategy):
         self._before_sharding: ShardingSnapshot | None = None
         self._load_hooks: list[Any] = []
         self._async_save = async_save
-        self._pending_save: _PendingSave | None = None
+        self._saves = background.BackgroundSave()
         self._async_group: Any = None
-        self._save_executor: ThreadPoolExecutor | None = None
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
@@ -421,11 +418,19 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _refuse_weight_copying_callbacks(trainer)
-        if not isinstance(self.model, FSDPModule):  # a model left sharded by an earlier stage is reused
+        if not isinstance(self.model, FSDPModule):
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(self.model)
+        else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
+            self.model_to_device()
         if self._checkpoint_format is None:
             self._checkpoint_format = self._choose_checkpoint_format(self.model)
+        saving.check_checkpoint_io(
+            self.checkpoint_io,
+            sharded=self._writes_sharded_checkpoints(),
+            async_save=self._async_save,
+            strategy=type(self).__name__,
+        )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -442,6 +447,8 @@ class FSDP2Strategy(ParallelStrategy):
     def _choose_checkpoint_format(self, model: nn.Module) -> str:
         if self._state_dict_type != "auto":
             return self._state_dict_type
+        if not saving.is_default_checkpoint_io(self.checkpoint_io):
+            return "full"  # a CheckpointIO plugin writes single files, as it does under DDP
         # "auto": one file, as DDP writes and `load_from_checkpoint` reads, while rank 0 can hold the whole
         # state in host memory with room to spare; Distributed Checkpoint directories beyond that.
         params = {id(p): p for p in model.parameters()}.values()
@@ -577,8 +584,14 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # fully_shard already placed every sharded parameter; parallelize() moved the rest.
-        pass
+        # parallelize() placed a new module; this brings back one that a teardown moved to CPU.
+        assert self.model is not None
+        if isinstance(self._offload_policy, CPUOffloadPolicy):
+            for module in self.model.modules():  # offloaded shards stay on the host, buffers go back
+                for name, buffer in module.named_buffers(recurse=False):
+                    setattr(module, name, buffer.to(self.root_device))
+        else:
+            self.model.to(self.root_device)
 
     @contextmanager
     @override
@@ -643,55 +656,52 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
-        crash mid-save leaves the previous checkpoints intact. With ``async_save`` the writing runs in
-        the background and the next save (or load, or the end of training) waits for it."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`; got {storage_options!r}.")
+        crash or a failed write leaves the previous checkpoints intact; a failure on any rank raises
+        :class:`~fsdp_strategy.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
+        runs in the background and the next save (or load, or the end of the stage) waits for it.
+        Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
+        sharded = self._writes_sharded_checkpoints()
+        if sharded and storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take `storage_options` for sharded checkpoints; got"
+                f" {storage_options!r}. They are meant for a CheckpointIO plugin, which writes single files: pass"
+                ' `state_dict_type="full"`.'
+            )
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(filepath)))
-        token = self.broadcast(uuid.uuid4().hex[:16])
-        if self.checkpoint_format == "full":
-            if self.is_global_zero:
-                if self._async_save:
-                    self._pending_save = _PendingSave(self._executor().submit(ckpt.save_full_file, path, checkpoint, token))
-                else:
-                    ckpt.save_full_file(path, checkpoint, token)
-            self.barrier()
-            return
-        staging = ckpt.staging_path(path, token)
-        # Refuse trainer state that torch.save cannot write on every rank, before any rank starts writing.
-        integrity.check_trainer_state(ckpt.split_checkpoint(checkpoint)[1], checkpoint=path)
-        if not self._async_save:
-            ckpt.save_sharded(staging, checkpoint, is_rank_zero=self.is_global_zero)
-            if self.is_global_zero:
-                ckpt.publish(staging, path)
-            self.barrier()
-            return
-        tensors, rest = ckpt.split_checkpoint(checkpoint)
+        token = self.broadcast(saving.staging_token())
         if self.is_global_zero:
-            ckpt.write_trainer_state(staging, rest)
-        # Tensors are copied to host memory before async_save returns; training may change them after.
-        future = dcp.async_save(tensors, checkpoint_id=staging, process_group=self._checkpoint_group())
-        self._pending_save = _PendingSave(future, staging=staging, path=path if self.is_global_zero else None)
+            saving.remove_stale_staging(path.parent)
+        in_background = self._saves if self._async_save else None
+        if sharded:
+            saving.save_sharded(
+                checkpoint, path, token, rank=self.global_rank, background=in_background, group=self._checkpoint_group
+            )
+        elif storage_options is not None or not saving.is_default_checkpoint_io(self.checkpoint_io):
+            # The plugin writes the file as under DDP (Lightning's TorchCheckpointIO refuses `storage_options`).
+            saving.save_through(self.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=self.global_rank)
+        else:
+            live = lambda: background.live_storages(self.model, self._plain_optimizers())  # noqa: E731
+            saving.save_full(checkpoint, path, token, rank=self.global_rank, background=in_background, live=live)
 
     def wait_for_checkpoint(self) -> None:
-        """Blocks until a background save has finished; raises its error if it failed."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.wait()
-            self.barrier()
+        """Blocks until a background save has finished; if it failed on any rank, raises its error on every rank."""
+        outcome = self._saves.wait()
+        if outcome is not None:
+            saving.settle(outcome.error, checkpoint=outcome.checkpoint, staging=outcome.staging, rank=self.global_rank)
+
+    def _writes_sharded_checkpoints(self) -> bool:
+        return self.checkpoint_format == "sharded"
+
+    def _plain_optimizers(self) -> list[Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def _checkpoint_group(self) -> Any:
         # Background saves talk over their own gloo group, so they never interleave with the
         # training collectives on the default group.
         if self._async_group is None:
-            self._async_group = torch.distributed.new_group(backend="gloo")
+            self._async_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
         return self._async_group
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._save_executor is None:
-            self._save_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-checkpoint")
-        return self._save_executor
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -712,39 +722,41 @@ class FSDP2Strategy(ParallelStrategy):
                 lambda: integrity.verify_sharded_checkpoint(path, weights_only=not trusted), integrity.CheckpointError
             )
             return ckpt.load_sharded(path, self.model, optimizers, strict=strict, weights_only=not trusted)
-        checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        if saving.is_default_checkpoint_io(self.checkpoint_io):
+            checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        else:
+            source = checkpoint_path if Path(checkpoint_path) == path else path
+            checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+            ckpt.require_state_dict(checkpoint, path)
         ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if not self.is_global_zero:
-            return
-        if self._pending_save is not None:
-            # Remove the older checkpoint only once its replacement is safely written.
-            self._pending_save.remove_after_success.append(Path(filepath))
-        else:
-            ckpt.remove_path(Path(filepath))
+        if self.is_global_zero:
+            # Not before the save in the background that replaces it is in place.
+            self._saves.defer_removal(filepath, saving.remover(self.checkpoint_io))
 
     @override
     def teardown(self) -> None:
-        # Sharded parameters stay where they are: moving them to CPU would gather nothing and cost a copy.
-        if not self._peer_lost:  # waiting would end in a barrier that the lost peer never joins
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        # Settling a save is a collective: not after an exception (the peers may be elsewhere), nor
+        # with a peer lost (it would never join).
+        if not self._peer_lost and not (trainer is not None and trainer.interrupted):
             self.wait_for_checkpoint()
             self._give_back_plain_module()
+        if not self._peer_lost:
+            self._saves.close()
         if self._membership is not None:
             self._membership.stop()
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
+        # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
+        # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
+        super().teardown()
 
     def _sharded_optimizers(self) -> list[Optimizer]:
         """The optimizers of the current sharded model (a stage after fit keeps fit's optimizers, whose
         parameters were given back in full)."""
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        return [o for o in optimizers if any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])]
+        return [o for o in self._plain_optimizers() if any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])]
 
     def _give_back_plain_module(self) -> None:
         """After a stage that ended normally, the module the user passed in is plain again, as DDP leaves it:
@@ -767,36 +779,6 @@ class FSDP2Strategy(ParallelStrategy):
             handle.remove()
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
-
-
-class _PendingSave:
-    """A background save; on rank 0 its completion publishes the checkpoint under its final name."""
-
-    def __init__(self, future: Future, *, staging: Path | None = None, path: Path | None = None) -> None:
-        self.future = future
-        self.remove_after_success: list[Path] = []
-        self._publish_error: BaseException | None = None
-        self._done = threading.Event()
-        self._staging, self._path = staging, path
-        future.add_done_callback(self._finish)
-
-    def _finish(self, future: Future) -> None:
-        try:
-            if future.exception() is None:
-                if self._path is not None and self._staging is not None:
-                    ckpt.publish(self._staging, self._path)
-                for path in self.remove_after_success:
-                    ckpt.remove_path(path)
-        except BaseException as error:  # surfaced by wait(), on the training thread
-            self._publish_error = error
-        finally:
-            self._done.set()
-
-    def wait(self) -> None:
-        self.future.result()  # re-raises a failed write
-        self._done.wait()
-        if self._publish_error is not None:
-            raise self._publish_error
 
 
 def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:

@@ -77,3 +77,5 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoints_loadable(tm
     )
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert resumed == {"global_step": 8, "started_at": 4}
+    # The resumed run's first save removed the staging that the killed writer left.
+    assert not [p.name for p in directory.iterdir() if p.name.startswith(".")]

@@ -252,8 +252,11 @@ def test_device_mesh_before_setup_explains_when_it_exists():
         FSDP2Strategy().device_mesh
 
 
-def test_save_checkpoint_rejects_storage_options():
-    message = "FSDP2Strategy.save_checkpoint does not take `storage_options`; got {'bucket': 'x'}."
+def test_sharded_save_checkpoint_rejects_storage_options_and_names_the_fix():
+    message = (
+        "FSDP2Strategy.save_checkpoint does not take `storage_options` for sharded checkpoints; got {'bucket': 'x'}."
+        ' They are meant for a CheckpointIO plugin, which writes single files: pass `state_dict_type="full"`.'
+    )
     with pytest.raises(TypeError, match=re.escape(message)):
         FSDP2Strategy().save_checkpoint({}, "unused.ckpt", storage_options={"bucket": "x"})
 
