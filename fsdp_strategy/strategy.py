@@ -346,6 +346,11 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        note = unused.explain(exception)
+        if note is not None and hasattr(exception, "add_note"):  # Python >= 3.11
+            exception.add_note(note)
+        elif note is not None:
+            _log.error(note)
         # A lost peer surfaces as a transport error ("Connection reset by peer") that names no rank;
         # the heartbeats tell which rank stopped.
         if self._membership is None or not rendezvous.is_communication_failure(exception):

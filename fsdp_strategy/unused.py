@@ -31,7 +31,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-__all__ = ["UnusedParameters", "supported"]
+__all__ = ["UnusedParameters", "explain", "supported"]
+
+_MIXED_DTYPES = "FSDP reduce-scatter expects uniform gradient dtype"
 
 
 def supported() -> bool:
@@ -59,39 +61,17 @@ class UnusedParameters:
             )
         self.model = model
         self.group = group
-        self.names: list[str] = []
-        self._sharded: list[Tensor] = []
-        self._used: list[bool] = []
+        named = list(model.named_parameters())
+        self._sharded = [p for _, p in named]
+        self._used = [False] * len(named)
         self._none_before: list[bool] = []
         self._pending: dist.Work | None = None
-        self._handles = []
-        by_id = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-        for name, param in model.named_parameters():
-            self.names.append(name)
-            self._sharded.append(param)
-        self._used = [False] * len(self.names)
-        for index, unsharded in self._unsharded_parameters(model, by_id):
-            self._handles.append(unsharded.register_post_accumulate_grad_hook(self._marker(index)))
+        unsharded = _unsharded_parameters(model)
+        missing = [name for name, _ in named if name not in unsharded]
+        if missing:  # such a parameter would count as unused everywhere and lose its gradient
+            raise RuntimeError(f"No unsharded parameter found for {missing}; are they managed by fully_shard?")
+        self._handles = [unsharded[name].register_post_accumulate_grad_hook(self._marker(i)) for i, (name, _) in enumerate(named)]
         model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-
-    @staticmethod
-    def _unsharded_parameters(model: nn.Module, by_id: dict[int, int]) -> list[tuple[int, Tensor]]:
-        """(index, unsharded parameter) for each parameter, gathering one unit at a time.
-
-        While a unit is unsharded, ``named_parameters()`` yields FSDP2's unsharded tensors for the
-        parameters it manages; the sharded DTensors stand for the others.
-        """
-        sharded = {name: p for name, p in model.named_parameters()}
-        found: list[tuple[int, Tensor]] = []
-        seen: set[str] = set()
-        for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
-            unit.unshard()
-            for name, param in model.named_parameters():
-                if name in sharded and name not in seen and not isinstance(param, DTensor):
-                    seen.add(name)
-                    found.append((by_id[id(sharded[name])], param))
-            unit.reshard()
-        return found
 
     def _marker(self, index: int) -> Callable[[Tensor], None]:
         def mark(_: Tensor) -> None:
@@ -132,3 +112,31 @@ class UnusedParameters:
             handle.remove()
         self._handles = []
         self.model.set_reduce_scatter_unused_params(False)  # type: ignore[operator]
+
+
+def _unsharded_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """FSDP2's unsharded parameter for each name, gathering one unit at a time.
+
+    While a unit is unsharded, ``named_parameters()`` yields the unsharded tensors of the parameters it
+    manages (created at its first all-gather and reused by every later one) and DTensors for the others.
+    """
+    found: dict[str, Tensor] = {}
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.unshard()
+        found.update((name, p) for name, p in model.named_parameters() if name not in found and not isinstance(p, DTensor))
+        unit.reshard()
+    return found
+
+
+def explain(exception: BaseException) -> str | None:
+    """What to do about a torch error that parameters without a gradient lead to; ``None`` for other errors."""
+    if _MIXED_DTYPES not in str(exception):
+        return None
+    # Under *-mixed, FSDP2 keeps the gradients of earlier micro-batches in fp32; a unit whose parameters
+    # got gradients in different micro-batches (or none) then holds fp32 and low-precision ones at once.
+    return (
+        "A sharded unit holds gradients of two dtypes: under a *-mixed precision with gradient accumulation,"
+        " some of its parameters got a gradient in an earlier micro-batch and others only in the last one or"
+        " in none (a data-dependent branch, an idle expert). Pass `sync_grads_each_micro_batch=True` to"
+        " FSDP2Strategy to reduce every micro-batch's gradients, or train in precision='32-true'."
+    )

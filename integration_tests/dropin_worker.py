@@ -66,7 +66,7 @@ class MoEBlock(nn.Module):
             rows = (choice == index).nonzero().flatten()
             if rows.numel() == 0:
                 continue
-            out = out.index_add(0, rows, expert(h[rows]) * weight[rows])
+            out = out.index_add(0, rows, (expert(h[rows]) * weight[rows]).to(out.dtype))
         return x + out.view_as(x)
 
 

@@ -8,6 +8,7 @@ DDP is in ``integration_tests/test_dropin.py``.
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
@@ -136,3 +137,21 @@ def test_idle_experts_in_a_trainer_get_no_gradient_and_no_update(trainer_env) ->
 
     assert sorted(name for name, has in seen[0].items() if not has) == sorted(expert_params(2))
     assert sorted(name for name, has in seen[3].items() if not has) == sorted(expert_params(2, 3))
+
+
+def test_mixed_precision_accumulation_names_the_option_that_works(trainer_env) -> None:
+    # torch's FSDP2 keeps earlier micro-batches' gradients in fp32 and zeros for idle expert 2 in bf16.
+    def fit(**options) -> None:  # type: ignore[no-untyped-def]
+        L.seed_everything(0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=FSDP2Strategy(**options), precision="bf16-mixed", max_steps=2,
+            accumulate_grad_batches=2, limit_val_batches=0, use_distributed_sampler=False, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(TinyMoE(), token_loader("moe", rank=0, batch_size=2, batches=4))
+
+    with pytest.raises(AssertionError, match="uniform gradient dtype") as failure:
+        fit()
+    assert "Pass `sync_grads_each_micro_batch=True` to FSDP2Strategy" in "\n".join(failure.value.__notes__)
+    trainer_env.fresh()
+    fit(sync_grads_each_micro_batch=True)
