@@ -100,7 +100,8 @@ def main() -> None:
         deciles = statistics.quantiles(ratios, n=10)
         return {
             "ratio_median": statistics.median(ratios), "ratio_p10": deciles[0], "ratio_p90": deciles[-1],
-            "plain_ms": 1e3 * statistics.median(times["plain"]), "tracked_ms": 1e3 * statistics.median(times["tracked"]),
+            "plain_ms": 1e3 * statistics.median(times["plain"]),
+            "tracked_ms": 1e3 * statistics.median(times["tracked"]),
         }
 
     if rank == 0:

@@ -4,8 +4,10 @@ DDP broadcasts rank 0's parameters and buffers when it wraps a module, so a modu
 different random init on each rank (no ``seed_everything``) trains from rank 0's init. During ``fit``
 it also broadcasts rank 0's buffers (BatchNorm's running statistics, any buffer a forward updates)
 before a forward whenever the forward before it ran with gradient synchronization
-(``broadcast_buffers=True``, ``DistributedDataParallel._pre_forward``): every training step except
-those of ``no_sync`` micro-batches, and the first validation step after training. FSDP2 shards
+(``broadcast_buffers=True``, ``DistributedDataParallel._pre_forward``): before the first forward, before
+each training step that follows the last micro-batch of an optimizer step (not before the later
+micro-batches of a gradient accumulation, which run in ``no_sync``), and before the first validation
+step after training; under Lightning's manual optimization only before the first forward. FSDP2 shards
 parameters, and ranks cannot disagree on a shard, but it leaves buffers alone; this module does what
 DDP does for them.
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BufferSync", "broadcast_tensors", "check_sync_batchnorm", "sync_module_states"]
+__all__ = ["BufferSync", "broadcast_tensors", "check_sync_batchnorm", "module_buffers", "sync_module_states"]
 
 # DDP's default bucket for the same broadcast (``broadcast_bucket_size``): bounds the extra memory of
 # flattening a module's parameters into one message.

@@ -70,7 +70,9 @@ class UnusedParameters:
         missing = [name for name, _ in named if name not in unsharded]
         if missing:  # such a parameter would count as unused everywhere and lose its gradient
             raise RuntimeError(f"No unsharded parameter found for {missing}; are they managed by fully_shard?")
-        self._handles = [unsharded[name].register_post_accumulate_grad_hook(self._marker(i)) for i, (name, _) in enumerate(named)]
+        self._handles = [
+            unsharded[name].register_post_accumulate_grad_hook(self._marker(i)) for i, (name, _) in enumerate(named)
+        ]
         model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
 
     def _marker(self, index: int) -> Callable[[Tensor], None]:
@@ -123,7 +125,8 @@ def _unsharded_parameters(model: nn.Module) -> dict[str, Tensor]:
     found: dict[str, Tensor] = {}
     for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
         unit.unshard()
-        found.update((name, p) for name, p in model.named_parameters() if name not in found and not isinstance(p, DTensor))
+        gathered = [(name, p) for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+        found.update((name, p) for name, p in gathered if name not in found)
         unit.reshard()
     return found
 

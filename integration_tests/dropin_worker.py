@@ -8,7 +8,7 @@
   data-dependent branch in the LightningModule itself (the FSDP root).
 * ``bn``: a CNN with BatchNorm and a running-scale normalizer that reads its buffer in the training
   forward, built with a different random init on each rank (no ``seed_everything``). DDP trains it from
-  rank 0's init and broadcasts rank 0's buffers.
+  rank 0's init and broadcasts rank 0's buffers. ``bn_manual``: the same under manual optimization.
 * ``syncbn``: the same CNN with ``Trainer(sync_batchnorm=True)``, which cannot run on the CPU: the
   error and whether the module was converted are recorded.
 
@@ -219,6 +219,22 @@ class TinyCNN(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+class ManualCNN(TinyCNN):
+    """Manual optimization: DDP broadcasts buffers before the first forward only (README)."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
 def image_loader(*, rank: int, batch_size: int, batches: int, seed: int = 1) -> DataLoader:
     """This rank's images; each rank's come from a shifted distribution, so its batch statistics differ."""
     generator = torch.Generator().manual_seed(100 * seed + rank)
@@ -239,6 +255,7 @@ SCENARIOS: dict[str, dict] = {
     "branch_sgd_accumulate": {"model": "branch", "optimizer": "sgd", "accumulate": 2},
     "bn": {"model": "bn"},
     "bn_adamw_accumulate": {"model": "bn", "optimizer": "adamw", "accumulate": 2},
+    "bn_manual": {"model": "bn", "manual": True},
     "syncbn": {"model": "bn", "sync_batchnorm": True},
 }
 
@@ -280,7 +297,7 @@ def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: 
     batches = max_steps * accumulate
     if scenario["model"] == "bn":
         torch.manual_seed(1000 + rank)  # no seed_everything: every rank builds its own random init
-        model: LightningModule = TinyCNN(scenario.get("optimizer", "sgd"))
+        model: LightningModule = (ManualCNN if scenario.get("manual") else TinyCNN)(scenario.get("optimizer", "sgd"))
         loader = image_loader(rank=rank, batch_size=4, batches=batches)
         val_loader = image_loader(rank=rank, batch_size=4, batches=2, seed=2)
     else:
@@ -332,7 +349,7 @@ def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", required=True, help=f"comma-separated strategy/scenario, scenarios: {', '.join(SCENARIOS)}")
+    parser.add_argument("--runs", required=True, help=f"comma-separated strategy/scenario ({', '.join(SCENARIOS)})")
     parser.add_argument("--max-steps", type=int, default=5)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

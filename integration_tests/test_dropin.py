@@ -16,7 +16,7 @@ import torch
 from integration_tests.conftest import max_relative_difference, torchrun
 
 UNUSED = ["moe", "moe_sgd", "moe_accumulate", "branch", "branch_sgd_accumulate"]
-BUFFERS = ["bn", "bn_adamw_accumulate"]
+BUFFERS = ["bn", "bn_adamw_accumulate", "bn_manual"]
 REFERENCE = {**{s: "ddp_find_unused_parameters_true" for s in UNUSED}, **{s: "ddp" for s in [*BUFFERS, "syncbn"]}}
 
 

@@ -13,7 +13,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_strategy.buffers import BufferSync, broadcast_tensors, check_sync_batchnorm, module_buffers, sync_module_states
+from fsdp_strategy.buffers import (
+    BufferSync,
+    broadcast_tensors,
+    check_sync_batchnorm,
+    module_buffers,
+    sync_module_states,
+)
 from integration_tests.dropin_worker import RunningScale, TinyCNN, TinyMoE, image_loader, token_loader
 
 BROADCAST = torch.ops.c10d.broadcast_

@@ -66,7 +66,8 @@ def test_a_parameter_no_rank_used_keeps_no_gradient(mesh) -> None:
         backward(model, tracker, "left")
         got = grads(model)
         assert got["right.weight"] is None and got["right.bias"] is None
-        assert all(isinstance(got[name], DTensor) for name in ("left.weight", "left.bias", "blocks.0.weight", "blocks.1.bias"))
+        used = ("left.weight", "left.bias", "blocks.0.weight", "blocks.1.bias")
+        assert all(isinstance(got[name], DTensor) for name in used)
         model.zero_grad()
 
 
@@ -127,13 +128,15 @@ def test_idle_experts_in_a_trainer_get_no_gradient_and_no_update(trainer_env) ->
             seen.append({name: p.grad is not None for name, p in pl_module.named_parameters() if ".experts." in name})
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="fsdp2", max_steps=4, limit_val_batches=0, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()],
+        accelerator="cpu", devices=1, strategy="fsdp2", max_steps=4, limit_val_batches=0, use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Grads()],
     )
     trainer.fit(model, token_loader("moe", rank=0, batch_size=2, batches=4))
     # Rank 0's data never route a token to expert 2.
     def expert_params(*experts: int) -> list[str]:
-        return [f"blocks.{b}.experts.{e}.{layer}.{kind}" for b in (0, 1) for e in experts for layer in ("up", "down") for kind in ("weight", "bias")]
+        layers = [f"{layer}.{kind}" for layer in ("up", "down") for kind in ("weight", "bias")]
+        return [f"blocks.{block}.experts.{e}.{layer}" for block in (0, 1) for e in experts for layer in layers]
 
     assert sorted(name for name, has in seen[0].items() if not has) == sorted(expert_params(2))
     assert sorted(name for name, has in seen[3].items() if not has) == sorted(expert_params(2, 3))
