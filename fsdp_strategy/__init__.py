@@ -1,7 +1,7 @@
 """Train any LightningModule with FSDP2 by changing one flag: ``Trainer(strategy="fsdp2")``.
 
 Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_op"``,
-``"fsdp2_hybrid"`` and ``"fsdp2_offload"`` with Lightning.
+``"fsdp2_hybrid"``, ``"fsdp2_offload"`` and ``"fsdp2_find_unused_parameters_true"`` with Lightning.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

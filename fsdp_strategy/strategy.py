@@ -37,7 +37,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, integrity, rendezvous, saving, trainer_call
+from fsdp_strategy import background, integrity, rendezvous, saving, trainer_call, unused
+from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -208,6 +209,11 @@ class FSDP2Strategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
+        self._in_no_sync = False
+        self._layer_sync_applied = False
+        self._unused: unused.UnusedParameters | None = None
+        self._buffer_sync: BufferSync | None = None
+        self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
         self._peer_lost = False
         self.num_nodes = 1
@@ -219,6 +225,8 @@ class FSDP2Strategy(ParallelStrategy):
             "fsdp2_grad_op": ("FSDP2 keeping parameters gathered between forward and backward", {"reshard_after_forward": False}),
             "fsdp2_hybrid": ("FSDP2 sharding within a node and replicating across nodes", {"hybrid": True}),
             "fsdp2_offload": ("FSDP2 with sharded state offloaded to host memory (CUDA)", {"cpu_offload": True}),
+            # "fsdp2" always does what DDP needs find_unused_parameters=True for; the name eases the switch.
+            "fsdp2_find_unused_parameters_true": ("FSDP2 (parameters unused on some ranks are always handled)", {}),
         }
         for name, (description, init_params) in variants.items():
             registry.register(name, cls, description=description, override=True, **init_params)
@@ -341,6 +349,11 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        note = unused.explain(exception)
+        if note is not None and hasattr(exception, "add_note"):  # Python >= 3.11
+            exception.add_note(note)
+        elif note is not None:
+            _log.error(note)
         # A lost peer surfaces as a transport error ("Connection reset by peer") that names no rank;
         # the heartbeats tell which rank stopped.
         if self._membership is None or not rendezvous.is_communication_failure(exception):
@@ -418,11 +431,19 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _refuse_weight_copying_callbacks(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if not isinstance(self.model, FSDPModule):
+            if fitting:
+                if self._layer_sync:  # Trainer(sync_batchnorm=True), converted before sharding as DDP does
+                    self.model = self._layer_sync.apply(self.model)
+                    self._layer_sync_applied = True
+                check_sync_batchnorm(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
+            sync_module_states(self.model)  # as DDP: every rank starts from rank 0's parameters and buffers
             self.parallelize(self.model)
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
+            sync_module_states(self.model)  # the buffers; ranks cannot disagree on a shard
         if self._checkpoint_format is None:
             self._checkpoint_format = self._choose_checkpoint_format(self.model)
         saving.check_checkpoint_io(
@@ -432,8 +453,11 @@ class FSDP2Strategy(ParallelStrategy):
             strategy=type(self).__name__,
         )
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
+            if unused.supported() and (self._unused is None or self._unused.model is not self.model):
+                self._unused = unused.UnusedParameters(self.model, group=self._gloo_group())
+        self._buffer_sync = BufferSync(self.model) if fitting else None
         self.setup_precision_plugin()
 
     @property
@@ -551,12 +575,38 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_manual_step = not self.lightning_module.automatic_optimization  # type: ignore[union-attr]
+        # DDP's buffer broadcast follows forwards whose gradients it reduces (manual optimization: none).
+        gradient_sync = torch.is_grad_enabled() and not self._in_manual_step and not self._in_no_sync
         try:
-            return super().training_step(*args, **kwargs)
+            with self._buffer_step(gradient_sync=gradient_sync):
+                return super().training_step(*args, **kwargs)
         finally:
             if self._in_manual_step and isinstance(self.model, FSDPModule):
                 self.model.reshard()
             self._in_manual_step = False
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_step(gradient_sync=False):
+            return super().validation_step(*args, **kwargs)
+
+    @contextmanager
+    def _buffer_step(self, *, gradient_sync: bool) -> Generator[None, None, None]:
+        if self._buffer_sync is not None:
+            self._buffer_sync.before_step()
+        yield
+        if self._buffer_sync is not None:
+            self._buffer_sync.after_step(gradient_sync=gradient_sync)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._unused is not None:
+            self._unused.before_backward()
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._unused is not None and (self._sync_grads_each_micro_batch or not self._in_no_sync):
+            self._unused.after_backward()
 
     @property
     def skipped_steps(self) -> int:
@@ -597,14 +647,18 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulates gradients locally on non-final micro-batches: one reduce-scatter per optimizer step."""
-        if self._sync_grads_each_micro_batch or not isinstance(self.model, FSDPModule):
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
+        self._in_no_sync = True  # DDP's no_sync(), which also decides its buffer broadcasts
         try:
-            yield
+            if self._sync_grads_each_micro_batch or not isinstance(self.model, FSDPModule):
+                yield
+                return
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
         finally:
-            self.model.set_requires_gradient_sync(True)
+            self._in_no_sync = False
 
     # --- collectives ------------------------------------------------------------------------------
 
@@ -696,6 +750,14 @@ class FSDP2Strategy(ParallelStrategy):
     def _plain_optimizers(self) -> list[Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
+    def _gloo_group(self) -> Any:
+        # For small records read on the host (unused parameters): a gloo group keeps them off the GPU streams.
+        if torch.distributed.get_backend() == "gloo":
+            return None
+        if self._host_group is None:
+            self._host_group = torch.distributed.new_group(backend="gloo")
+        return self._host_group
+
     def _checkpoint_group(self) -> Any:
         # Background saves talk over their own gloo group, so they never interleave with the
         # training collectives on the default group.
@@ -744,11 +806,18 @@ class FSDP2Strategy(ParallelStrategy):
         # with a peer lost (it would never join).
         if not self._peer_lost and not (trainer is not None and trainer.interrupted):
             self.wait_for_checkpoint()
+            if self._unused is not None:
+                self._unused.wait()
             self._give_back_plain_module()
         if not self._peer_lost:
             self._saves.close()
         if self._membership is not None:
             self._membership.stop()
+        if self._layer_sync_applied and self._layer_sync and self.model is not None and not _is_sharded(self.model):
+            # As DDP after fit: BatchNorm layers again. A module left sharded keeps its SyncBatchNorm layers:
+            # replacing a module would detach its parameters from the unit that manages them.
+            self.model = self._layer_sync.revert(self.model)
+            self._layer_sync_applied = False
         # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
         # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
         super().teardown()
@@ -777,6 +846,9 @@ class FSDP2Strategy(ParallelStrategy):
             return
         for handle in self._load_hooks:
             handle.remove()
+        if self._unused is not None:  # its hooks sit on the sharded module's gathered parameters
+            self._unused.close()
+            self._unused = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
 
@@ -795,6 +867,10 @@ def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:
                 " the model and copies weights between that copy and the module, which FSDP2Strategy shards"
                 " (Lightning's FSDPStrategy refuses it too). Train with strategy='ddp' to average weights with it."
             )
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def _check_bool(option: str, value: Any) -> None:
