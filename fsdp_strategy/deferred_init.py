@@ -282,11 +282,12 @@ def has_meta_tensors(model: nn.Module) -> bool:
 
 
 def records_by_name(model: nn.Module) -> dict[str, _Record]:
-    """The records of ``model``'s deferred parameters, by name; read before ``fully_shard`` replaces them."""
+    """The records of ``model``'s deferred parameters, by name, taken before ``fully_shard`` replaces them."""
+    # Taken off the parameters: a record holds the tensors its writes copy from (a loaded state dict).
     return {
         name: record
         for name, param in model.named_parameters()
-        if (record := getattr(param, _RECORD_ATTRIBUTE, None)) is not None
+        if (record := param.__dict__.pop(_RECORD_ATTRIBUTE, None)) is not None
     }
 
 

@@ -45,12 +45,24 @@ class ShardingSnapshot:
     def __init__(self, model: nn.Module) -> None:
         self._modules = {id(m): (m, _state(m)) for m in model.modules()}
         self._added: dict[int, frozenset[str]] = {}
+        # The Parameter objects the user's code (and an optimizer kept from an earlier stage) refer to: they
+        # are given back, holding the trained values, rather than new ones.
+        self._parameters = {
+            (id(m), name): param for m in model.modules() for name, param in m._parameters.items() if param is not None
+        }
 
     def added(self) -> None:
         """Call right after sharding: remembers the attributes that sharding added to each module, so that
-        :meth:`restore` removes exactly those (and not what user code sets later)."""
+        :meth:`restore` removes exactly those (and not what user code sets later), and lets go of the full
+        values of the parameters that sharding replaced (until :meth:`restore` refills them)."""
         for key, (module, before) in self._modules.items():
             self._added[key] = frozenset(module.__dict__) - before.attributes
+        for param in self._parameters.values():
+            if not param.is_meta:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def original(self, module: nn.Module, name: str) -> nn.Parameter | None:
+        return self._parameters.get((id(module), name))
 
     def restore(self) -> None:
         """Original classes back; the attributes sharding added and the hooks torch.distributed added removed.
@@ -118,10 +130,22 @@ def host_memory_available() -> int | None:
 
 def unshard(model: nn.Module, before: ShardingSnapshot, optimizers: Iterable[Optimizer], *, device: torch.device) -> None:
     """Gathers every DTensor parameter (and optimizer state) of ``model`` into full tensors on ``device``
-    and gives each module back its original class, hooks and attributes. Collective: every rank calls it."""
+    and gives each module back its original class, hooks, attributes and Parameter objects, now holding the
+    full values. Collective: every rank calls it."""
     optimizers = list(optimizers)
     with torch.no_grad():
-        replacements = _gather_parameters(model, device)
+        full = {id(p): _full(p, device) for p in _unique_dtensors(model)}
+        replacements: dict[int, nn.Parameter] = {}
+        for module in model.modules():  # pair each sharded parameter with the object it replaced
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in full and id(param) not in replacements:
+                    original = before.original(module, name)
+                    if original is None or original.is_meta:  # added later, or never allocated: a new one
+                        original = nn.Parameter(full[id(param)], requires_grad=param.requires_grad)
+                    else:
+                        original.data = full[id(param)]
+                        original.requires_grad_(param.requires_grad)
+                    replacements[id(param)] = original
         before.restore()
         for module in model.modules():
             for name, param in list(module._parameters.items()):
@@ -131,12 +155,9 @@ def unshard(model: nn.Module, before: ShardingSnapshot, optimizers: Iterable[Opt
             _swap_optimizer(optimizer, replacements, device)
 
 
-def _gather_parameters(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
-    replacements: dict[int, nn.Parameter] = {}
-    for param in model.parameters():  # the same order on every rank: each full_tensor() is a collective
-        if isinstance(param, DTensor) and id(param) not in replacements:
-            replacements[id(param)] = nn.Parameter(_full(param, device), requires_grad=param.requires_grad)
-    return replacements
+def _unique_dtensors(model: nn.Module) -> list[DTensor]:
+    # The same order on every rank: each full_tensor() below is a collective.
+    return [p for p in {id(p): p for p in model.parameters()}.values() if isinstance(p, DTensor)]
 
 
 def _full(tensor: DTensor, device: torch.device) -> Tensor:
