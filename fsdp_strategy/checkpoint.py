@@ -264,7 +264,11 @@ def load_full(
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint["state_dict"], options=options)
     for opt, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        set_optimizer_state_dict(model, opt, _indices_to_names(state, _parameter_names(model, opt)), options=options)
+        by_name = _indices_to_names(state, _parameter_names(model, opt))
+        # An optimizer without per-parameter tensors (SGD without momentum) has nothing to shard, and torch's
+        # full-state path cannot tell its device from it ("Expected device to be set"): load it as it is.
+        has_tensors = any(torch.is_tensor(v) and v.dim() > 0 for s in by_name["state"].values() for v in s.values())
+        set_optimizer_state_dict(model, opt, by_name, options=options if has_tensors else StateDictOptions(strict=strict))
 
 
 def read_full_weights(path: Path) -> dict[str, Any]:

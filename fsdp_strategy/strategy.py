@@ -218,6 +218,18 @@ class FSDP2Strategy(ParallelStrategy):
         self._peer_lost = False
         self.num_nodes = 1
 
+    # Runtime handles of this process (store connections, process groups, threads, the launcher's child
+    # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
+    _PROCESS_LOCAL = ("_membership", "_async_group", "_host_group", "_unused", "_buffer_sync", "_saves", "_launcher")
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in self._PROCESS_LOCAL:
+            state[name] = None
+        state["_saves"] = background.BackgroundSave()
+        return state
+
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         variants = {
@@ -464,8 +476,8 @@ class FSDP2Strategy(ParallelStrategy):
     def checkpoint_format(self) -> str:
         """``"sharded"`` (a Distributed Checkpoint directory) or ``"full"`` (one file): ``state_dict_type``,
         with ``"auto"`` decided when the model is set up."""
-        if self._checkpoint_format is None:
-            return "full" if self._state_dict_type == "full" else "sharded"
+        if self._checkpoint_format is None:  # a save before any setup (trainer.strategy.connect(model))
+            self._checkpoint_format = self._choose_checkpoint_format(self.model or self.lightning_module)
         return self._checkpoint_format
 
     def _choose_checkpoint_format(self, model: nn.Module) -> str:

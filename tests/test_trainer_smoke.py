@@ -325,3 +325,33 @@ def test_weight_averaging_callbacks_are_refused_before_the_first_step(trainer_en
     with pytest.raises(MisconfigurationException, match=re.escape(message)):
         trainer(tmp_path, max_steps=2, callbacks=[callback, steps]).fit(TinyLM(), loader())
     assert not steps.ran
+
+
+class PlainSGD(TinyLM):
+    """SGD without momentum keeps no per-parameter state."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_stateless_optimizer_resumes_from_a_full_file_and_the_trainer_pickles(trainer_env, tmp_path):
+    import io
+
+    first = trainer(tmp_path, max_steps=2)
+    first.fit(PlainSGD(), loader())
+    path = tmp_path / "plain.ckpt"
+    first.save_checkpoint(path)
+    assert path.is_file()  # "auto" on a small model: one file, as DDP writes
+    torch.save(first, io.BytesIO())  # the Trainer, strategy included, pickles as under DDP
+
+    trainer_env.fresh()
+    second = trainer(tmp_path, max_steps=3)
+    second.fit(PlainSGD(), loader(), ckpt_path=path)
+    assert second.global_step == 3
+
+
+def test_a_checkpoint_saved_before_any_stage_is_one_file(trainer_env, tmp_path):
+    run = trainer(tmp_path)
+    run.strategy.connect(TinyLM())
+    run.save_checkpoint(tmp_path / "connected.ckpt")
+    assert (tmp_path / "connected.ckpt").is_file()
