@@ -477,7 +477,10 @@ class FSDP2Strategy(ParallelStrategy):
         """``"sharded"`` (a Distributed Checkpoint directory) or ``"full"`` (one file): ``state_dict_type``,
         with ``"auto"`` decided when the model is set up."""
         if self._checkpoint_format is None:  # a save before any setup (trainer.strategy.connect(model))
-            self._checkpoint_format = self._choose_checkpoint_format(self.model or self.lightning_module)
+            model = self.model or self.lightning_module
+            if model is None:
+                return "sharded" if self._state_dict_type == "sharded" else "full"
+            self._checkpoint_format = self._choose_checkpoint_format(model)
         return self._checkpoint_format
 
     def _choose_checkpoint_format(self, model: nn.Module) -> str:

@@ -258,7 +258,7 @@ def test_sharded_save_checkpoint_rejects_storage_options_and_names_the_fix():
         ' They are meant for a CheckpointIO plugin, which writes single files: pass `state_dict_type="full"`.'
     )
     with pytest.raises(TypeError, match=re.escape(message)):
-        FSDP2Strategy().save_checkpoint({}, "unused.ckpt", storage_options={"bucket": "x"})
+        FSDP2Strategy(state_dict_type="sharded").save_checkpoint({}, "unused.ckpt", storage_options={"bucket": "x"})
 
 
 # --- precision through the Trainer ------------------------------------------------------------------
