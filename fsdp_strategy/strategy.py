@@ -833,6 +833,10 @@ class FSDP2Strategy(ParallelStrategy):
             # replacing a module would detach its parameters from the unit that manages them.
             self.model = self._layer_sync.revert(self.model)
             self._layer_sync_applied = False
+        if isinstance(self.model, FSDPModule) and hasattr(self.model, "reset_iter_state"):  # torch >= 2.13
+            # An exception inside a step leaves units gathered; moving them (below) expects their shards, and
+            # failing there would hide the user's own error behind FSDP's.
+            self.model.reset_iter_state()
         # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
         # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
         super().teardown()

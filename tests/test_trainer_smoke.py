@@ -355,3 +355,14 @@ def test_a_checkpoint_saved_before_any_stage_is_one_file(trainer_env, tmp_path):
     run.strategy.connect(TinyLM())
     run.save_checkpoint(tmp_path / "connected.ckpt")
     assert (tmp_path / "connected.ckpt").is_file()
+
+
+class FailsInStep(TinyLM):
+    def training_step(self, batch, batch_idx):
+        self.loss(batch)  # the units are gathered when the error comes
+        raise ValueError("the user's own error")
+
+
+def test_an_error_inside_a_step_reaches_the_user_unchanged(trainer_env, tmp_path):
+    with pytest.raises(ValueError, match="the user's own error"):
+        trainer(tmp_path, max_steps=2).fit(FailsInStep(), loader())
