@@ -1,9 +1,8 @@
-"""``ShardingMonitor``: option errors, reading batches, model-state bytes, the summary, and in-process
+"""``ShardingMonitor``: option errors, reading batches, the estimator bridge, the summary, and in-process
 fits on one rank (FSDP2 and a single device). The 2-rank comparison with DDP is in integration_tests/."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import math
 import re
@@ -16,20 +15,13 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.estimate import estimate_module
-from fsdp_strategy.monitor import (
-    batch_size_of,
-    estimate_figures,
-    format_summary,
-    model_state_bytes,
-    optimizer_name,
-    plan_of,
-    summarize,
-    tokens_of,
-)
+from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
+from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
+from fsdp_strategy.monitor.summary import format_summary, summarize
+from fsdp_strategy.state_bytes import model_state_bytes
 from integration_tests.models import SEQ, TinyLM, token_loader
 
 
@@ -80,11 +72,11 @@ def test_batch_size_and_tokens_are_read_from_the_batch():
 
 
 def test_ambiguous_batches_warn_once_and_name_the_option():
-    monitor = ShardingMonitor()
+    counter = BatchCounter()
     batch = [torch.zeros(4, 8, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)]
     with pytest.warns(UserWarning) as caught:
-        monitor._count(batch)
-        monitor._count(batch)
+        counter.count(batch)
+        counter.count(batch)
     messages = [str(w.message) for w in caught]
     assert messages == [
         "ShardingMonitor: the batch holds tensors of different lengths; counting 4 samples per batch."
@@ -92,23 +84,7 @@ def test_ambiguous_batches_warn_once_and_name_the_option():
         "ShardingMonitor: the batch holds integer tensors of different sizes, so tokens/s is not reported."
         " Pass `tokens_fn` or `tokens_per_sample`.",
     ]
-    assert monitor._samples == 8 and not monitor._tokens_known
-
-
-def test_model_state_bytes_counts_local_shards_of_params_grads_and_optimizer_state(mesh):
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    sharded = copy.deepcopy(model)
-    fully_shard(sharded, mesh=mesh)
-    expected = {}
-    for name, module in (("plain", model), ("sharded", sharded)):
-        optimizer = torch.optim.AdamW(module.parameters())
-        module(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
-        expected[name] = model_state_bytes(module, [optimizer])
-    params = sum(p.numel() for p in model.parameters())
-    # parameters, gradients, exp_avg, exp_avg_sq in fp32, plus Adam's fp32 step counter per tensor
-    assert expected["plain"] == 4 * params * 4 + 4 * len(list(model.parameters()))
-    assert expected["sharded"] == expected["plain"]
+    assert counter.samples == 8 and counter.batches == 2 and not counter.tokens_known
 
 
 def test_optimizer_and_strategy_names_for_the_estimator():
@@ -130,6 +106,13 @@ def test_optimizer_and_strategy_names_for_the_estimator():
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
     assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None}
     assert plan_of(SingleDeviceStrategy("cpu")) is None
+
+
+def test_an_offloading_strategy_is_estimated_as_fsdp2_offload(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the constructor asks
+    strategy = FSDP2Strategy(cpu_offload=True)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    assert plan_of(strategy) == {"strategy": "fsdp2_offload", "processes_per_node": None}
 
 
 def test_the_estimated_model_state_counts_offloaded_state_in_host_memory():

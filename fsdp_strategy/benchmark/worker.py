@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
 from fsdp_strategy.benchmark.run import PRECISIONS, PROGRESS_PREFIX, STRATEGIES
 from fsdp_strategy.estimate import load_target
-from fsdp_strategy.monitor import current_rss_bytes, peak_rss_bytes
+from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
 from fsdp_strategy.state_bytes import full_bytes, held_bytes, model_state_tensors
