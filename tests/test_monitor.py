@@ -21,8 +21,7 @@ from fsdp_strategy.estimate import estimate_module
 from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
 from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.summary import format_summary, summarize
-from fsdp_strategy.state_bytes import model_state_bytes
-from integration_tests.models import SEQ, TinyLM, token_loader
+from integration_tests.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
 
 
 @pytest.mark.parametrize(
@@ -176,11 +175,15 @@ def test_summary_without_a_timed_window_or_a_peak_says_not_available():
 # --- in-process fits --------------------------------------------------------------------------------
 
 
-class HeldAtTrainEnd(L.Callback):
-    """The model state each rank holds at the end of training, while the module is still sharded."""
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.bytes = model_state_bytes(pl_module, list(trainer.optimizers))
+def tiny_lm_adamw_state_bytes() -> int:
+    """What one rank holds of TinyLM under fp32 AdamW after a step, from its architecture: parameters,
+    gradients and AdamW's two moments, 4 bytes an element each, plus a 4-byte step counter per tensor."""
+    block = [(WIDTH,), (WIDTH,), (WIDTH, WIDTH), (WIDTH,), (WIDTH, WIDTH), (2 * WIDTH, WIDTH), (2 * WIDTH,),
+             (WIDTH, 2 * WIDTH), (WIDTH,)]  # norm, attn_q, attn_k (no bias), mlp
+    shapes = [(VOCAB, WIDTH), *block * 3, (WIDTH,), (WIDTH,), (WIDTH,)]  # embedding = head, blocks, norm, scale
+    elements = sum(math.prod(shape) for shape in shapes)
+    assert elements == sum(p.numel() for p in TinyLM().parameters())  # the architecture as counted here
+    return 4 * 4 * elements + 4 * len(shapes)
 
 
 def _fit(
@@ -198,7 +201,7 @@ def _fit(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[monitor, HeldAtTrainEnd()],
+        callbacks=[monitor],
         **kwargs,
     )
     trainer.fit(model, token_loader(batch_size=4, samples=32))
@@ -221,8 +224,7 @@ def test_fsdp2_fit_summary_logs_and_flops_match_measure_flops(trainer_env, tmp_p
     assert rank["samples_per_sec"] > 0 and rank["tokens_per_sec"] == pytest.approx(SEQ * rank["samples_per_sec"])
     assert summary["mfu"] == pytest.approx(summary["tflops_per_sec"] / 0.5)
     assert rank["peak_rss_bytes"] >= rank["rss_growth_bytes"] >= 0
-    held = next(c for c in trainer.callbacks if isinstance(c, HeldAtTrainEnd))
-    assert rank["model_state_bytes"] == held.bytes
+    assert rank["model_state_bytes"] == tiny_lm_adamw_state_bytes()  # one rank holds everything, once
     # one rank: nothing to communicate; the estimate agrees with what is held
     assert summary["all_gather_bytes"] == summary["reduce_scatter_bytes"] == summary["all_reduce_bytes"] == 0
     assert summary["estimated_model_state_bytes"] == pytest.approx(rank["model_state_bytes"], rel=0.01)
@@ -244,6 +246,7 @@ def test_single_device_fit_with_counters_given_and_flops_off(trainer_env, tmp_pa
     _fit(tmp_path, monitor, strategy="auto", max_steps=3)
     summary = monitor.summary
     assert summary["strategy"] == "single_device" and summary["flops_per_batch"] is None
+    assert summary["max_model_state_bytes"] == tiny_lm_adamw_state_bytes()
     assert summary["tokens_per_sec"] == pytest.approx(3 * summary["samples_per_sec"])
     assert summary["all_gather_bytes"] is None
     assert summary["communication_note"] == "no sharding plan known for SingleDeviceStrategy"
