@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fsdp_strategy._compat import forget_composable_state
+from fsdp_strategy.state_bytes import full_bytes, model_state_tensors
 
 __all__ = ["ShardingSnapshot", "all_ranks_agree", "full_state_bytes", "host_memory_available", "snapshot", "unshard"]
 
@@ -106,12 +107,7 @@ def _from_torch_distributed(hook: Any) -> bool:
 
 def full_state_bytes(model: nn.Module, optimizers: Iterable[Optimizer]) -> int:
     """Bytes the gathered parameters and optimizer states take on each rank."""
-    params = {id(p): p for p in model.parameters()}.values()
-    total = sum(p.numel() * p.element_size() for p in params)
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
-    return total
+    return full_bytes(model_state_tensors(model, optimizers, gradients=False))
 
 
 def host_memory_available() -> int | None:

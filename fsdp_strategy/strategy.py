@@ -8,6 +8,7 @@ import math
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,12 +65,22 @@ from fsdp_strategy.precision import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FSDP2Strategy"]
+__all__ = ["FSDP2Strategy", "ShardingPlan"]
 
 _log = logging.getLogger(__name__)
 
 _STATE_DICT_TYPES = ("auto", "sharded", "full")
 _OUR_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How :class:`FSDP2Strategy` shards a model in the current world: what a cost model (the
+    estimator, through ``ShardingMonitor``) needs to know besides the model and the Trainer."""
+
+    mesh_shape: tuple[int, int]  # (replicate, shard)
+    reshard_after_forward: bool | int
+    cpu_offload: bool
 
 
 class FSDP2Strategy(ParallelStrategy):
@@ -296,6 +307,14 @@ class FSDP2Strategy(ParallelStrategy):
             replicate_size=self._replicate_size,
             shard_size=self._shard_size,
             processes_per_node=self.num_processes if self._hybrid else None,
+        )
+
+    def sharding_plan(self) -> ShardingPlan:
+        """The mesh, resharding and offloading this strategy shards with; ``ValueError`` as :meth:`mesh_shape`."""
+        return ShardingPlan(
+            mesh_shape=self.mesh_shape(),
+            reshard_after_forward=self._reshard_after_forward,
+            cpu_offload=isinstance(self._offload_policy, CPUOffloadPolicy),
         )
 
     def set_world_ranks(self) -> None:

@@ -3,8 +3,9 @@
 The test launches this file as a torchrun module. Each rank trains ``OddLM`` for a few steps per
 configuration and measures
 
-* its parameters, gradients and optimizer state (``worker.model_state_bytes``) just before the last
-  optimizer step, when all three exist, and the estimate of the live, already sharded model;
+* its parameters, gradients and optimizer state (``fsdp_strategy.state_bytes.model_state_bytes``,
+  without the step counters the estimator leaves out) just before the last optimizer step, when all
+  three exist, and the estimate of the live, already sharded model;
 * under fsdp2, the bytes that FSDP2's all-gathers and reduce-scatters move during the first
   optimizer step (every micro-batch of it), as the dispatcher sees the collectives.
 
@@ -28,9 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_strategy  # noqa: F401  registers "fsdp2"
 from fsdp_strategy.estimate import estimate_module
+from fsdp_strategy.state_bytes import model_state_bytes
 from integration_tests.conftest import torchrun
 from integration_tests.models import VOCAB, WIDTH, TinyLM, token_loader
-from integration_tests.worker import model_state_bytes
 
 
 class OddLM(TinyLM):
@@ -116,7 +117,7 @@ class _Measure(L.Callback):
             self.collectives.__exit__(None, None, None)  # every micro-batch of the first step is in
         if trainer.global_step != STEPS - 1:
             return
-        self.held = model_state_bytes(pl_module, [getattr(optimizer, "_optimizer", optimizer)])
+        self.held = model_state_bytes(pl_module, [getattr(optimizer, "_optimizer", optimizer)], scalar_state=False)
         strategy, precision, name = self.config
         estimate = estimate_module(
             pl_module, strategy=strategy, world_size=trainer.world_size, precision=precision, optimizer=name

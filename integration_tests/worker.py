@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
+from fsdp_strategy.state_bytes import model_state_bytes
 from integration_tests.models import TinyGAN, TinyLM, token_loader
 
 
@@ -35,24 +36,9 @@ class Recorder(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
         optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
         self.state_bytes = (
-            model_state_bytes(pl_module, optimizers),
+            model_state_bytes(pl_module, optimizers, scalar_state=False),  # as padded_share_bytes counts
             padded_share_bytes(pl_module, optimizers, trainer.world_size),
         )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def model_state_bytes(module: torch.nn.Module, optimizers: list) -> int:
-    """Bytes this rank holds of parameters, gradients and optimizer state."""
-    params = list({id(p): p for p in module.parameters()}.values())
-    total = sum(_local(p).numel() * p.element_size() for p in params)
-    total += sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None)
-    for opt in optimizers:
-        for state in opt.state.values():
-            total += sum(_local(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-    return total
 
 
 def padded_share_bytes(module: torch.nn.Module, optimizers: list, world_size: int) -> int:

@@ -1,9 +1,8 @@
-"""``ShardingMonitor``: option errors, reading batches, model-state bytes, the summary, and in-process
+"""``ShardingMonitor``: option errors, reading batches, the estimator bridge, the summary, and in-process
 fits on one rank (FSDP2 and a single device). The 2-rank comparison with DDP is in integration_tests/."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import math
 import re
@@ -16,21 +15,13 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.estimate import estimate_module
-from fsdp_strategy.monitor import (
-    batch_size_of,
-    estimate_figures,
-    format_summary,
-    model_state_bytes,
-    optimizer_name,
-    plan_of,
-    summarize,
-    tokens_of,
-)
-from integration_tests.models import SEQ, TinyLM, token_loader
+from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
+from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
+from fsdp_strategy.monitor.summary import format_summary, summarize
+from integration_tests.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
 
 
 @pytest.mark.parametrize(
@@ -80,11 +71,11 @@ def test_batch_size_and_tokens_are_read_from_the_batch():
 
 
 def test_ambiguous_batches_warn_once_and_name_the_option():
-    monitor = ShardingMonitor()
+    counter = BatchCounter()
     batch = [torch.zeros(4, 8, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)]
     with pytest.warns(UserWarning) as caught:
-        monitor._count(batch)
-        monitor._count(batch)
+        counter.count(batch)
+        counter.count(batch)
     messages = [str(w.message) for w in caught]
     assert messages == [
         "ShardingMonitor: the batch holds tensors of different lengths; counting 4 samples per batch."
@@ -92,23 +83,7 @@ def test_ambiguous_batches_warn_once_and_name_the_option():
         "ShardingMonitor: the batch holds integer tensors of different sizes, so tokens/s is not reported."
         " Pass `tokens_fn` or `tokens_per_sample`.",
     ]
-    assert monitor._samples == 8 and not monitor._tokens_known
-
-
-def test_model_state_bytes_counts_local_shards_of_params_grads_and_optimizer_state(mesh):
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    sharded = copy.deepcopy(model)
-    fully_shard(sharded, mesh=mesh)
-    expected = {}
-    for name, module in (("plain", model), ("sharded", sharded)):
-        optimizer = torch.optim.AdamW(module.parameters())
-        module(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
-        expected[name] = model_state_bytes(module, [optimizer])
-    params = sum(p.numel() for p in model.parameters())
-    # parameters, gradients, exp_avg, exp_avg_sq in fp32, plus Adam's fp32 step counter per tensor
-    assert expected["plain"] == 4 * params * 4 + 4 * len(list(model.parameters()))
-    assert expected["sharded"] == expected["plain"]
+    assert counter.samples == 8 and counter.batches == 2 and not counter.tokens_known
 
 
 def test_optimizer_and_strategy_names_for_the_estimator():
@@ -130,6 +105,13 @@ def test_optimizer_and_strategy_names_for_the_estimator():
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
     assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None}
     assert plan_of(SingleDeviceStrategy("cpu")) is None
+
+
+def test_an_offloading_strategy_is_estimated_as_fsdp2_offload(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the constructor asks
+    strategy = FSDP2Strategy(cpu_offload=True)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    assert plan_of(strategy) == {"strategy": "fsdp2_offload", "processes_per_node": None}
 
 
 def test_the_estimated_model_state_counts_offloaded_state_in_host_memory():
@@ -193,11 +175,15 @@ def test_summary_without_a_timed_window_or_a_peak_says_not_available():
 # --- in-process fits --------------------------------------------------------------------------------
 
 
-class HeldAtTrainEnd(L.Callback):
-    """The model state each rank holds at the end of training, while the module is still sharded."""
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.bytes = model_state_bytes(pl_module, list(trainer.optimizers))
+def tiny_lm_adamw_state_bytes() -> int:
+    """What one rank holds of TinyLM under fp32 AdamW after a step, from its architecture: parameters,
+    gradients and AdamW's two moments, 4 bytes an element each, plus a 4-byte step counter per tensor."""
+    block = [(WIDTH,), (WIDTH,), (WIDTH, WIDTH), (WIDTH,), (WIDTH, WIDTH), (2 * WIDTH, WIDTH), (2 * WIDTH,),
+             (WIDTH, 2 * WIDTH), (WIDTH,)]  # norm, attn_q, attn_k (no bias), mlp
+    shapes = [(VOCAB, WIDTH), *block * 3, (WIDTH,), (WIDTH,), (WIDTH,)]  # embedding = head, blocks, norm, scale
+    elements = sum(math.prod(shape) for shape in shapes)
+    assert elements == sum(p.numel() for p in TinyLM().parameters())  # the architecture as counted here
+    return 4 * 4 * elements + 4 * len(shapes)
 
 
 def _fit(
@@ -215,7 +201,7 @@ def _fit(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[monitor, HeldAtTrainEnd()],
+        callbacks=[monitor],
         **kwargs,
     )
     trainer.fit(model, token_loader(batch_size=4, samples=32))
@@ -238,8 +224,7 @@ def test_fsdp2_fit_summary_logs_and_flops_match_measure_flops(trainer_env, tmp_p
     assert rank["samples_per_sec"] > 0 and rank["tokens_per_sec"] == pytest.approx(SEQ * rank["samples_per_sec"])
     assert summary["mfu"] == pytest.approx(summary["tflops_per_sec"] / 0.5)
     assert rank["peak_rss_bytes"] >= rank["rss_growth_bytes"] >= 0
-    held = next(c for c in trainer.callbacks if isinstance(c, HeldAtTrainEnd))
-    assert rank["model_state_bytes"] == held.bytes
+    assert rank["model_state_bytes"] == tiny_lm_adamw_state_bytes()  # one rank holds everything, once
     # one rank: nothing to communicate; the estimate agrees with what is held
     assert summary["all_gather_bytes"] == summary["reduce_scatter_bytes"] == summary["all_reduce_bytes"] == 0
     assert summary["estimated_model_state_bytes"] == pytest.approx(rank["model_state_bytes"], rel=0.01)
@@ -261,6 +246,7 @@ def test_single_device_fit_with_counters_given_and_flops_off(trainer_env, tmp_pa
     _fit(tmp_path, monitor, strategy="auto", max_steps=3)
     summary = monitor.summary
     assert summary["strategy"] == "single_device" and summary["flops_per_batch"] is None
+    assert summary["max_model_state_bytes"] == tiny_lm_adamw_state_bytes()
     assert summary["tokens_per_sec"] == pytest.approx(3 * summary["samples_per_sec"])
     assert summary["all_gather_bytes"] is None
     assert summary["communication_note"] == "no sharding plan known for SingleDeviceStrategy"

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import fsdp_strategy
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.precision import FSDP2HalfPrecision, FSDP2MixedPrecision, FSDP2Precision
+from fsdp_strategy.strategy import ShardingPlan
 from integration_tests.models import Block
 
 ACCEPTED_POLICIES = (
@@ -229,6 +230,19 @@ def test_hybrid_name_shards_within_a_node_and_replicates_across_nodes():
 def test_replicate_size_above_one_implies_hybrid_and_derives_the_shard_size():
     strategy = cpu_trainer(strategy=FSDP2Strategy(replicate_size=2), devices=2, num_nodes=2).strategy
     assert strategy.mesh_shape() == (2, 2)
+
+
+def test_sharding_plan_tells_the_mesh_resharding_and_offloading(monkeypatch):
+    hybrid = cpu_trainer(strategy="fsdp2_hybrid", devices=2, num_nodes=2).strategy
+    assert hybrid.sharding_plan() == ShardingPlan(mesh_shape=(2, 2), reshard_after_forward=True, cpu_offload=False)
+    grad_op = cpu_trainer(strategy="fsdp2_grad_op", devices=2).strategy
+    assert grad_op.sharding_plan() == ShardingPlan(mesh_shape=(1, 2), reshard_after_forward=False, cpu_offload=False)
+    to_node = cpu_trainer(strategy=FSDP2Strategy(reshard_after_forward=2), devices=2, num_nodes=2).strategy
+    assert to_node.sharding_plan() == ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=2, cpu_offload=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the constructor asks
+    offload = FSDP2Strategy(cpu_offload=True)
+    offload.parallel_devices = [torch.device("cpu")] * 2
+    assert offload.sharding_plan() == ShardingPlan(mesh_shape=(1, 2), reshard_after_forward=True, cpu_offload=True)
 
 
 def test_distributed_sampler_counts_every_rank_on_every_node():

@@ -38,15 +38,15 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
 from fsdp_strategy.benchmark.run import PRECISIONS, PROGRESS_PREFIX, STRATEGIES
 from fsdp_strategy.estimate import load_target
-from fsdp_strategy.monitor import current_rss_bytes, peak_rss_bytes
+from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
+from fsdp_strategy.state_bytes import full_bytes, held_bytes, model_state_tensors
 
 SEED = 0
 
@@ -73,24 +73,6 @@ def load_model_class(spec: str) -> type[L.LightningModule]:
     if not issubclass(cls, L.LightningModule):
         raise ValueError(f"`--model` {spec!r} must name a LightningModule subclass; it is {cls!r}.")
     return cls
-
-
-# --- memory -----------------------------------------------------------------------------------------------------
-
-
-def tensor_bytes(tensor: Tensor) -> tuple[int, int]:
-    """(bytes this rank holds, bytes of the whole tensor); the same for a tensor that is not sharded."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size(), tensor.numel() * tensor.element_size()
-
-
-def sum_bytes(tensors: Iterable[Tensor]) -> tuple[int, int]:
-    pairs = [tensor_bytes(t) for t in tensors]
-    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
 
 
 # --- the shared model, data, loss and optimizer -------------------------------------------------------------------
@@ -180,7 +162,8 @@ class StepLog:
 
     def before_optimizer_step(self, params: Iterable[Tensor]) -> None:
         if self.grad_bytes == (0, 0):
-            self.grad_bytes = sum_bytes(p.grad for p in params if p.grad is not None)
+            grads = [p.grad for p in params if p.grad is not None]
+            self.grad_bytes = held_bytes(grads), full_bytes(grads)
 
     def step_times(self, warmup: int, steps: int) -> tuple[list[float], list[float]]:
         timed = range(warmup, warmup + steps)
@@ -202,13 +185,16 @@ class _Probe(Callback):
         self.step_log.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
-        self.model_state = model_state_bytes(pl_module, trainer.optimizers[0], self.step_log.grad_bytes)
+        self.model_state = held_and_full_state_bytes(pl_module, trainer.optimizers[0], self.step_log.grad_bytes)
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, grads: tuple[int, int]) -> tuple[int, int]:
-    params = sum_bytes(model.parameters())
-    state = sum_bytes(optimizer_tensors(optimizer))
-    return params[0] + grads[0] + state[0], params[1] + grads[1] + state[1]
+def held_and_full_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grads: tuple[int, int]
+) -> tuple[int, int]:
+    """Model state as this rank holds it and whole, with the gradients' bytes taken before a step
+    (the plain loop's ``zero_grad`` frees them)."""
+    tensors = model_state_tensors(model, [optimizer], gradients=False)
+    return held_bytes(tensors) + grads[0], full_bytes(tensors) + grads[1]
 
 
 def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, rank: int, world_size: int) -> tuple:
@@ -249,7 +235,7 @@ def run_raw(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, 
         optimizer.step()
         optimizer.zero_grad()
         log.losses.append(loss.item())
-    state = model_state_bytes(model, optimizer, log.grad_bytes)
+    state = held_and_full_state_bytes(model, optimizer, log.grad_bytes)
     return state, sum(p.numel() for p in model.parameters())
 
 
