@@ -852,10 +852,8 @@ class FSDP2Strategy(ParallelStrategy):
             # replacing a module would detach its parameters from the unit that manages them.
             self.model = self._layer_sync.revert(self.model)
             self._layer_sync_applied = False
-        if isinstance(self.model, FSDPModule) and hasattr(self.model, "reset_iter_state"):  # torch >= 2.13
-            # An exception inside a step leaves units gathered; moving them (below) expects their shards, and
-            # failing there would hide the user's own error behind FSDP's.
-            self.model.reset_iter_state()
+        if trainer is not None and trainer.interrupted and isinstance(self.model, FSDPModule):
+            _reshard_after_an_error(self.model)
         # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
         # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
         super().teardown()
@@ -889,6 +887,17 @@ class FSDP2Strategy(ParallelStrategy):
             self._unused = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
+
+
+def _reshard_after_an_error(model: FSDPModule) -> None:
+    """An exception inside a step leaves units gathered, and moving the module (teardown does) expects their
+    shards: failing there would hide the user's own error behind FSDP's ("no attribute '_local_tensor'")."""
+    if not hasattr(model, "reset_iter_state"):  # torch < 2.13
+        return
+    try:
+        model.reset_iter_state()
+    except AttributeError:  # the error came before the first forward: nothing was gathered
+        pass
 
 
 def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:
