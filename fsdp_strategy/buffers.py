@@ -43,10 +43,14 @@ def module_buffers(module: nn.Module) -> list[Tensor]:
     return [b for name, b in module.named_buffers() if name not in ignored and not b.is_meta]
 
 
-def sync_module_states(module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+def sync_module_states(
+    module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None, host_group: dist.ProcessGroup | None = None
+) -> None:
     """Copies rank ``src``'s unsharded parameters and its buffers to every rank, as DDP does at wrap time.
 
-    Sharded (DTensor) parameters are left alone: each rank owns its shard. Meta tensors are skipped.
+    Sharded (DTensor) parameters are left alone: each rank owns its shard. Meta tensors are skipped. Tensors
+    in host memory go over ``host_group`` when given (a model built on the CPU, synced before sharding moves
+    it to the GPU: NCCL cannot send host memory).
     """
     ignored = _ignored(module)
     params = [
@@ -54,13 +58,19 @@ def sync_module_states(module: nn.Module, *, src: int = 0, group: dist.ProcessGr
         for name, p in module.named_parameters()
         if name not in ignored and not isinstance(p, DTensor) and not p.is_meta
     ]
-    broadcast_tensors([*params, *module_buffers(module)], src=src, group=group)
+    broadcast_tensors([*params, *module_buffers(module)], src=src, group=group, host_group=host_group)
 
 
 def broadcast_tensors(
-    tensors: Iterable[Tensor], *, src: int = 0, group: dist.ProcessGroup | None = None, bucket_bytes: int = BUCKET_BYTES
+    tensors: Iterable[Tensor],
+    *,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    host_group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> None:
-    """Overwrites ``tensors`` with rank ``src``'s values, one collective per bucket of one device and dtype."""
+    """Overwrites ``tensors`` with rank ``src``'s values, one collective per bucket of one device and dtype
+    (over ``host_group``, when given, for tensors in host memory)."""
     open_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], int]] = {}
     buckets: list[list[Tensor]] = []
     for tensor in tensors:
@@ -72,11 +82,12 @@ def broadcast_tensors(
         open_buckets[(tensor.device, tensor.dtype)] = (bucket, size + tensor.nbytes)
     with torch.no_grad():
         for bucket in buckets:
+            on = host_group if host_group is not None and bucket[0].device.type == "cpu" else group
             if len(bucket) == 1 and bucket[0].is_contiguous():
-                dist.broadcast(bucket[0], src=src, group=group)
+                dist.broadcast(bucket[0], src=src, group=on)
                 continue
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.broadcast(flat, src=src, group=group)
+            dist.broadcast(flat, src=src, group=on)
             for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
                 tensor.copy_(part.view_as(tensor))
 

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from fsdp_strategy._compat import forget_composable_state
 from fsdp_strategy.state_bytes import full_bytes, model_state_tensors
 
-__all__ = ["ShardingSnapshot", "all_ranks_agree", "full_state_bytes", "host_memory_available", "snapshot", "unshard"]
+__all__ = ["ShardingSnapshot", "all_ranks_agree", "full_state_bytes", "host_memory_available", "unshard"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,14 @@ class ShardingSnapshot:
             if not param.is_meta:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
+    def replacements(self) -> dict[int, nn.Parameter]:
+        """What now stands, in the sharded module, for each Parameter object from before sharding (by id)."""
+        return {
+            id(param): current
+            for (key, name), param in self._parameters.items()
+            if (current := self._modules[key][0]._parameters.get(name)) is not None and current is not param
+        }
+
     def original(self, module: nn.Module, name: str) -> nn.Parameter | None:
         return self._parameters.get((id(module), name))
 
@@ -84,10 +92,6 @@ class ShardingSnapshot:
                 module.__dict__.pop(name, None)
             module.__class__ = before.cls
             forget_composable_state(module)
-
-
-def snapshot(model: nn.Module) -> ShardingSnapshot:
-    return ShardingSnapshot(model)
 
 
 def _hook_registries(module: nn.Module) -> dict[str, dict]:

@@ -98,6 +98,32 @@ class Membership:
                 return
             stop.wait(self.interval)
 
+    def all_ok(self, name: str, ok: bool, *, timeout: float) -> bool:
+        """Whether every rank is ``ok`` at the point called ``name``: decided alike on every rank through the store,
+        without a collective, so that ranks that ended a stage differently never meet in one.
+
+        A rank that is not ok answers and returns at once. The others wait for every answer, at most ``timeout``
+        seconds, and give up early on a rank whose heartbeat stops: it will never answer.
+        """
+        store = self._probe if self._probe is not None else self._store
+        store.set(f"{name}/{self.me.rank}", "1" if ok else "0")
+        if not ok:
+            return False
+        keys = [f"{name}/{rank}" for rank in self.members]
+        others = [rank for rank in self.members if rank != self.me.rank]
+        deadline = time.monotonic() + timeout
+        beats, checked = _counters(store, others), time.monotonic()
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            if time.monotonic() - checked > self.window:
+                now = _counters(store, others)
+                if any(now[rank] <= beats[rank] and not store.check([f"{name}/{rank}"]) for rank in others):
+                    return False
+                beats, checked = now, time.monotonic()
+            time.sleep(0.02)
+        return all(store.get(key) == b"1" for key in keys)
+
     def diagnose(self) -> str:
         """Which ranks stopped beating over the next few intervals, and where the live ones are."""
         others = [rank for rank in self.members if rank != self.me.rank]

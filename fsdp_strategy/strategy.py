@@ -51,7 +51,7 @@ from fsdp_strategy.parallelize import (
 )
 from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
 from fsdp_strategy.estimate import format_bytes
-from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, snapshot, unshard
+from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, unshard
 from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy, select_modules
 from fsdp_strategy.precision import (
     SUPPORTED_PRECISIONS,
@@ -213,6 +213,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._state_dict_type = state_dict_type
         self._checkpoint_format: str | None = None  # "sharded" or "full": state_dict_type, with "auto" decided in setup()
         self._before_sharding: ShardingSnapshot | None = None
+        self._stages_ended = 0  # names each stage's ending in the rendezvous store
         self._load_hooks: list[Any] = []
         self._async_save = async_save
         self._saves = background.BackgroundSave()
@@ -470,11 +471,12 @@ class FSDP2Strategy(ParallelStrategy):
                     self._layer_sync_applied = True
                 check_sync_batchnorm(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
-            sync_module_states(self.model)  # as DDP: every rank starts from rank 0's parameters and buffers
+            # As DDP: every rank starts from rank 0's parameters and buffers.
+            sync_module_states(self.model, host_group=self._gloo_group())
             self.parallelize(self.model)
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
-            sync_module_states(self.model)  # the buffers; ranks cannot disagree on a shard
+            sync_module_states(self.model, host_group=self._gloo_group())  # the buffers; shards cannot disagree
         if self._checkpoint_format is None:
             self._checkpoint_format = self._choose_checkpoint_format(self.model)
         saving.check_checkpoint_io(
@@ -523,7 +525,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     def parallelize(self, model: nn.Module) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
-        self._before_sharding = snapshot(model)
+        self._before_sharding = ShardingSnapshot(model)
         mp_policy = self.mp_policy()
         keep_norms_fp32 = self._explicit_mp_policy is None and mixed_precision_policy(self.precision_plugin.precision) is not None
         units = plan_units(model, self._wrap_policy, mp_policy=mp_policy, keep_norms_fp32=keep_norms_fp32)
@@ -545,13 +547,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._load_hooks = load_full_tensors_into_shards(model)
         was_meta = has_meta_tensors(model)
         materialize(model, self._param_device(), deferred)
-        if isinstance(self._offload_policy, CPUOffloadPolicy):
-            # Offloaded shards live on the host; buffers are used in compute and stay on the device.
-            for module in model.modules():
-                for name, buffer in module.named_buffers(recurse=False):
-                    setattr(module, name, buffer.to(self.root_device))
-        else:
-            model.to(self.root_device)
+        self._move_to_device(model)
         if self._init_weights is not None:
             self._load_init_weights(model)
         self._log_plan(model, units, was_meta)
@@ -598,7 +594,12 @@ class FSDP2Strategy(ParallelStrategy):
         # Optimizers built before this setup reference parameters that sharding replaced.
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        replacements = self._before_sharding.replacements() if self._before_sharding is not None else {}
         for optimizer in self.optimizers:
+            # Parameters kept from before sharding (a `list(self.head.parameters())` made in __init__ for a
+            # parameter group of its own) stand for their shards, as under DDP they are the parameters trained.
+            for group in optimizer.param_groups:
+                group["params"] = [replacements.get(id(p), p) for p in group["params"]]
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if params and not any(isinstance(p, DTensor) for p in params):
                 raise ValueError(
@@ -670,12 +671,16 @@ class FSDP2Strategy(ParallelStrategy):
     def model_to_device(self) -> None:
         # parallelize() placed a new module; this brings back one that a teardown moved to CPU.
         assert self.model is not None
+        self._move_to_device(self.model)
+
+    def _move_to_device(self, model: nn.Module) -> None:
         if isinstance(self._offload_policy, CPUOffloadPolicy):
-            for module in self.model.modules():  # offloaded shards stay on the host, buffers go back
+            # Offloaded shards live on the host; buffers are used in compute and go to the device.
+            for module in model.modules():
                 for name, buffer in module.named_buffers(recurse=False):
                     setattr(module, name, buffer.to(self.root_device))
         else:
-            self.model.to(self.root_device)
+            model.to(self.root_device)
 
     @contextmanager
     @override
@@ -836,9 +841,9 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        # Settling a save is a collective: not after an exception (the peers may be elsewhere), nor
-        # with a peer lost (it would never join).
-        if not self._peer_lost and not (trainer is not None and trainer.interrupted):
+        # Settling a save and gathering the module are collectives: only when every rank ended the stage
+        # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
+        if not self._peer_lost and self._stage_ended_on_every_rank(trainer):
             self.wait_for_checkpoint()
             if self._unused is not None:
                 self._unused.wait()
@@ -857,6 +862,13 @@ class FSDP2Strategy(ParallelStrategy):
         # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
         # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
         super().teardown()
+
+    def _stage_ended_on_every_rank(self, trainer: pl.Trainer | None) -> bool:
+        ended_here = trainer is not None and not trainer.interrupted
+        if self._membership is None or self.world_size == 1:  # a process group this strategy did not join
+            return ended_here
+        self._stages_ended += 1
+        return self._membership.all_ok(f"stage_end/{self._stages_ended}", ended_here, timeout=self._timeout.total_seconds())
 
     def _sharded_optimizers(self) -> list[Optimizer]:
         """The optimizers of the current sharded model (a stage after fit keeps fit's optimizers, whose
