@@ -14,6 +14,7 @@ from torch import nn
 __all__ = [
     "disabled_torch_function_impl",
     "forget_composable_state",
+    "get_layout",
     "make_wrapper_subclass",
     "tree_flatten",
     "tree_map",
@@ -58,3 +59,9 @@ def forget_composable_state(module: nn.Module) -> None:
     from torch.distributed import _composable_state
 
     _composable_state._module_state_mapping.pop(module, None)
+
+
+# A pickled torch.layout (DCP metadata holds one per tensor) is a call to torch.serialization._get_layout
+# with the layout's name, so a restricted unpickler must hand out that function by this name, as torch's own
+# weights-only unpickler does (checked with torch 2.13).
+get_layout = torch.serialization._get_layout

@@ -34,8 +34,8 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity
 from fsdp_strategy.background import SAVE_ERRORS, BackgroundSave, snapshot
+from fsdp_strategy.trainer_state import check_trainer_state
 
 __all__ = [
     "CheckpointSaveError",
@@ -277,7 +277,7 @@ def save_sharded(
     staging = ckpt.staging_path(path, token)
     tensors, rest = ckpt.split_checkpoint(checkpoint)
     # Refuse trainer state that torch.save cannot write, on every rank, before any rank starts writing.
-    integrity.check_trainer_state(rest, checkpoint=path)
+    check_trainer_state(rest, checkpoint=path)
     trainer_state = dict(rest)
     if background is None:  # ckpt.save_sharded splits the checkpoint again
         error = attempt(lambda: _save_and_publish(staging, path, checkpoint, rank=rank))

@@ -31,17 +31,14 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.integrity import (
-    ACCEPTED_TYPES,
-    CheckpointError,
+from fsdp_strategy.checkpoint_error import CheckpointError
+from fsdp_strategy.dcp_metadata import read_dcp_metadata
+from fsdp_strategy.trainer_state import ACCEPTED_TYPES, check_trainer_state, load_trainer_state, save_trainer_state
+from fsdp_strategy.verify import (
     check_model_matches,
-    check_trainer_state,
     compare_keys,
     is_half_written,
-    load_trainer_state,
     looks_like_sharded_checkpoint,
-    read_dcp_metadata,
-    save_trainer_state,
     saved_shapes,
     verify_sharded_checkpoint,
 )
@@ -140,7 +137,7 @@ def test_a_checkpoint_written_by_the_strategy_verifies_and_its_trainer_state_loa
 
 
 def test_the_trainer_state_file_name_is_the_one_the_checkpoint_module_writes():
-    from fsdp_strategy.integrity import TRAINER_STATE_FILENAME
+    from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME
 
     assert TRAINER_STATE_FILENAME == ckpt.METADATA_FILENAME
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fsdp_strategy
-from fsdp_strategy.integrity import CheckpointError
+from fsdp_strategy import CheckpointError
 from fsdp_strategy.trainer_call import weights_only_of_trainer_call
 from integration_tests.models import TinyLM, token_loader
 
