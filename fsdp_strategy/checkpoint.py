@@ -52,7 +52,6 @@ __all__ = [
     "save_sharded",
     "split_checkpoint",
     "staging_path",
-    "write_trainer_state",
 ]
 
 METADATA_FILENAME = TRAINER_STATE_FILENAME  # Lightning's name for its sharded checkpoints' trainer state
@@ -104,7 +103,7 @@ def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: boo
     tensors, rest = split_checkpoint(checkpoint)
     dcp.save(tensors, storage_writer=ShardWriter(staging))
     if is_rank_zero:
-        write_trainer_state(staging, rest)
+        save_trainer_state(staging, rest)
 
 
 class ShardWriter(FileSystemWriter):
@@ -145,11 +144,6 @@ def os_error_in(error: BaseException) -> OSError | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
-
-
-def write_trainer_state(staging: Path, state: dict[str, Any]) -> None:
-    """``meta.pt``: the trainer state's objects as DDP's checkpoint file holds them (``torch.save``)."""
-    save_trainer_state(staging, state)
 
 
 def publish(staging: Path, path: Path) -> None:
