@@ -37,7 +37,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, rendezvous, saving, trainer_call, unused, verify
+from fsdp_strategy import background, rendezvous, saving, unused, verify
+from fsdp_strategy._compat import weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.guard import NonFiniteGuard
@@ -791,7 +792,7 @@ class FSDP2Strategy(ParallelStrategy):
         optimizers = self._sharded_optimizers() if fitting else []
         strict = self.lightning_module.strict_loading
         if weights_only is None:  # Lightning drops the user's choice for strategies that restore after setup
-            weights_only = trainer_call.weights_only_of_trainer_call()
+            weights_only = weights_only_of_trainer_call()
         if path.is_dir() and verify.looks_like_sharded_checkpoint(path):
             # None: the user did not choose; torch.load's default since 2.6 is True.
             trusted = weights_only is False
