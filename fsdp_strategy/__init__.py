@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from fsdp_strategy.consolidate import consolidate_checkpoint
 from fsdp_strategy.estimate import Estimate, estimate, estimate_module
 from fsdp_strategy.guard import NonFiniteGradientError
-from fsdp_strategy.integrity import CheckpointError
+from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.monitor import ShardingMonitor
 from fsdp_strategy.policy import PolicyInput
 from fsdp_strategy.precision import SUPPORTED_PRECISIONS

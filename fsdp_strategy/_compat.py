@@ -1,12 +1,14 @@
-"""The private torch names this package uses, each with why no public API does the job.
+"""The private torch and Lightning names this package uses, each with why no public API does the job.
 
 Everything else in the package uses public torch and Lightning APIs. When one of these changes in a torch
-release, this is the one file to adapt.
+or Lightning release, this is the one file to adapt.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import inspect
 
 import torch
 from torch import nn
@@ -14,10 +16,12 @@ from torch import nn
 __all__ = [
     "disabled_torch_function_impl",
     "forget_composable_state",
+    "get_layout",
     "make_wrapper_subclass",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "weights_only_of_trainer_call",
 ]
 
 # A tensor subclass that handles every op in __torch_dispatch__ sets this as its __torch_function__, as
@@ -58,3 +62,34 @@ def forget_composable_state(module: nn.Module) -> None:
     from torch.distributed import _composable_state
 
     _composable_state._module_state_mapping.pop(module, None)
+
+
+# A pickled torch.layout (DCP metadata holds one per tensor) is a call to torch.serialization._get_layout
+# with the layout's name, so a restricted unpickler must hand out that function by this name, as torch's own
+# weights-only unpickler does (checked with torch 2.13).
+get_layout = torch.serialization._get_layout
+
+
+def weights_only_of_trainer_call() -> bool | None:
+    """The ``weights_only`` passed to the running Trainer call (``None``: not given, or no call running).
+
+    ``Trainer.fit``/``validate``/``test``/``predict`` take ``weights_only`` since Lightning 2.6.0, and
+    Lightning (checked up to 2.6.6) hands it to ``Strategy.load_checkpoint`` only for strategies that
+    restore before setup: ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it
+    when ``restore_checkpoint_after_setup`` is true, as for FSDP2Strategy, whose model must be sharded
+    before it is loaded. No public API holds the value, so it is read from the ``Trainer._run`` frame on
+    this thread's stack. Should that method be renamed, this returns ``None``: torch's safe default.
+    """
+    from lightning.pytorch.trainer.trainer import Trainer
+
+    run = getattr(Trainer._run, "__code__", None)
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is run:
+                value = frame.f_locals.get("weights_only")
+                return value if isinstance(value, bool) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # frames hold their locals alive

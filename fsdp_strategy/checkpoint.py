@@ -28,7 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from fsdp_strategy import integrity
+from fsdp_strategy.checkpoint_error import CheckpointError, damaged, refused
+from fsdp_strategy.dcp_metadata import read_dcp_metadata
+from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME, load_trainer_state, save_trainer_state
+from fsdp_strategy.verify import check_model_matches, compare_keys, state_dict_shapes
 
 __all__ = [
     "METADATA_FILENAME",
@@ -49,10 +52,9 @@ __all__ = [
     "save_sharded",
     "split_checkpoint",
     "staging_path",
-    "write_trainer_state",
 ]
 
-METADATA_FILENAME = "meta.pt"
+METADATA_FILENAME = TRAINER_STATE_FILENAME  # Lightning's name for its sharded checkpoints' trainer state
 MODEL_KEY = "model"
 PARTIAL_PREFIX = ".partial-"
 
@@ -101,7 +103,7 @@ def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: boo
     tensors, rest = split_checkpoint(checkpoint)
     dcp.save(tensors, storage_writer=ShardWriter(staging))
     if is_rank_zero:
-        write_trainer_state(staging, rest)
+        save_trainer_state(staging, rest)
 
 
 class ShardWriter(FileSystemWriter):
@@ -142,11 +144,6 @@ def os_error_in(error: BaseException) -> OSError | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
-
-
-def write_trainer_state(staging: Path, state: dict[str, Any]) -> None:
-    """``meta.pt``: the trainer state's objects as DDP's checkpoint file holds them (``torch.save``)."""
-    integrity.save_trainer_state(staging, state)
 
 
 def publish(staging: Path, path: Path) -> None:
@@ -197,12 +194,12 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state.
 
-    Call :func:`fsdp_strategy.integrity.verify_sharded_checkpoint` first (with the same ``weights_only``):
+    Call :func:`fsdp_strategy.verify.verify_sharded_checkpoint` first (with the same ``weights_only``):
     DCP itself unpickles its metadata and non-tensor entries without restrictions.
     """
     model_state_dict = get_model_state_dict(model)
-    integrity.check_model_matches(path, model_state_dict, strict=strict, metadata=integrity.read_dcp_metadata(path))
-    trainer_state = integrity.load_trainer_state(path, weights_only=weights_only)
+    check_model_matches(path, model_state_dict, strict=strict, metadata=read_dcp_metadata(path))
+    trainer_state = load_trainer_state(path, weights_only=weights_only)
     tensors: dict[str, Any] = {MODEL_KEY: model_state_dict}
     tensors.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
     dcp.load(tensors, checkpoint_id=path)
@@ -213,14 +210,14 @@ def load_sharded(
 
 
 def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
-    """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.integrity.CheckpointError`."""
+    """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.checkpoint_error.CheckpointError`."""
     return require_state_dict(_load_file(path, weights_only=weights_only), path)
 
 
 def require_state_dict(checkpoint: Any, path: Path) -> dict[str, Any]:
     """``checkpoint`` if it is a Lightning checkpoint (a dict with a ``state_dict``); else a named error."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise integrity.CheckpointError(
+        raise CheckpointError(
             f"Checkpoint '{path}' is not a Lightning checkpoint: '{path.name}' has no 'state_dict' entry.",
             checkpoint=path,
             file=path.name,
@@ -235,28 +232,26 @@ def _load_file(path: Path, *, weights_only: bool | None) -> Any:
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
-        raise integrity.CheckpointError(
-            f"Checkpoint '{path}' is refused: '{path.name}' contains objects that are not plain data, so it was not"
-            " unpickled. If you trust this file, pass `trainer.fit(..., weights_only=False)`.",
-            checkpoint=path,
-            file=path.name,
-        ) from exc
+        detail = (
+            f"'{path.name}' contains objects that are not plain data, so it was not unpickled. If you trust this"
+            " file, pass `trainer.fit(..., weights_only=False)`."
+        )
+        raise refused(path, path.name, detail) from exc
     except Exception as exc:
-        raise integrity.CheckpointError(
-            f"Checkpoint '{path}' is damaged: '{path.name}' is not a complete checkpoint file (truncated, or not"
-            f" written by torch.save): {type(exc).__name__}.",
-            checkpoint=path,
-            file=path.name,
-        ) from exc
+        detail = (
+            f"'{path.name}' is not a complete checkpoint file (truncated, or not written by torch.save):"
+            f" {type(exc).__name__}."
+        )
+        raise damaged(path, path.name, detail) from exc
 
 
 def load_full(
     checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, path: Path
 ) -> None:
     """Loads a single-file Lightning checkpoint (from DDP, one device, or ``state_dict_type="full"``)."""
-    integrity.compare_keys(
-        integrity.state_dict_shapes(get_model_state_dict(model)),
-        integrity.state_dict_shapes(checkpoint["state_dict"]),
+    compare_keys(
+        state_dict_shapes(get_model_state_dict(model)),
+        state_dict_shapes(checkpoint["state_dict"]),
         checkpoint=path,
         strict=strict,
         file=path.name,

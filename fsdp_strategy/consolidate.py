@@ -19,10 +19,10 @@ the model and optimizer state, never two.
 
 Like loading in the strategy, nothing runs code stored in the checkpoint unless ``weights_only=False``
 says it is trusted: the directory is first checked by
-:func:`fsdp_strategy.integrity.verify_sharded_checkpoint`, ``.metadata`` is read with its restricted
+:func:`fsdp_strategy.verify.verify_sharded_checkpoint`, ``.metadata`` is read with its restricted
 unpickler, and the non-tensor entries and ``meta.pt`` with ``torch.load(weights_only=True)``, which
 refuses types that are neither registered with ``torch.serialization.add_safe_globals`` nor in
-:data:`fsdp_strategy.integrity.ACCEPTED_TYPES`. The file written then needs the same to load as DDP's
+:data:`fsdp_strategy.trainer_state.ACCEPTED_TYPES`. The file written then needs the same to load as DDP's
 file does: nothing more than plain data loads with ``torch.load(weights_only=True)``, and other types
 need ``load_from_checkpoint(..., weights_only=False)`` or ``add_safe_globals``.
 """
@@ -48,9 +48,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from fsdp_strategy import integrity
 from fsdp_strategy.checkpoint import MODEL_KEY
-from fsdp_strategy.integrity import DCP_METADATA_FILENAME, TRAINER_STATE_FILENAME
+from fsdp_strategy.dcp_metadata import DCP_METADATA_FILENAME, read_dcp_metadata
+from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME, load_trainer_state, torch_load
+from fsdp_strategy.verify import verify_sharded_checkpoint
 
 __all__ = ["consolidate_checkpoint"]
 
@@ -101,7 +102,7 @@ def consolidate_checkpoint(
     Raises:
         FileNotFoundError: ``checkpoint_dir`` does not exist.
         ValueError: ``checkpoint_dir`` is not a sharded checkpoint (not a directory, no ``.metadata`` or
-            no ``meta.pt``); or :class:`fsdp_strategy.integrity.CheckpointError` (a ``ValueError``): it is
+            no ``meta.pt``); or :class:`fsdp_strategy.CheckpointError` (a ``ValueError``): it is
             damaged (a missing or truncated shard file, unreadable contents) or, with ``weights_only=True``,
             holds objects of types that are not allowed (the message names them and both fixes).
         FileExistsError: ``output_file`` exists and ``overwrite`` is false.
@@ -122,7 +123,7 @@ def _consolidate(
     source, target = Path(checkpoint_dir), Path(output_file)
     reader, metadata = _open_checkpoint(source, weights_only=weights_only)
     _check_output(target, overwrite)
-    trainer_state = integrity.load_trainer_state(source, weights_only=weights_only)
+    trainer_state = load_trainer_state(source, weights_only=weights_only)
 
     tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
@@ -173,22 +174,22 @@ def _open_checkpoint(source: Path, *, weights_only: bool) -> tuple[FileSystemRea
             " (the trainer state)"
         )
     # Shard files present and long enough, non-tensor entries and meta.pt loadable: CheckpointError otherwise.
-    integrity.verify_sharded_checkpoint(source, weights_only=weights_only)
-    metadata = integrity.read_dcp_metadata(source)  # not FileSystemReader.read_metadata(): that is pickle.load
+    verify_sharded_checkpoint(source, weights_only=weights_only)
+    metadata = read_dcp_metadata(source)  # not FileSystemReader.read_metadata(): that is pickle.load
     reader = FileSystemReader(source)
     reader.set_up_storage_reader(metadata, True)
     return reader, metadata
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor entries are read by ``integrity.torch_load`` (it uses ``weights_only=False``)."""
+    """DCP's default planner, but non-tensor entries are read by ``trainer_state.torch_load`` (it uses ``weights_only=False``)."""
 
     def __init__(self, *, weights_only: bool) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.weights_only = weights_only
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.state_dict[read_item.dest_index.fqn] = integrity.torch_load(value, weights_only=self.weights_only)
+        self.state_dict[read_item.dest_index.fqn] = torch_load(value, weights_only=self.weights_only)
 
 
 def _read(

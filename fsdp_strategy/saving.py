@@ -34,8 +34,8 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import integrity
 from fsdp_strategy.background import SAVE_ERRORS, BackgroundSave, snapshot
+from fsdp_strategy.trainer_state import check_trainer_state, write_trainer_state
 
 __all__ = [
     "CheckpointSaveError",
@@ -277,16 +277,15 @@ def save_sharded(
     staging = ckpt.staging_path(path, token)
     tensors, rest = ckpt.split_checkpoint(checkpoint)
     # Refuse trainer state that torch.save cannot write, on every rank, before any rank starts writing.
-    integrity.check_trainer_state(rest, checkpoint=path)
-    trainer_state = dict(rest)
+    trainer_state_data = check_trainer_state(rest, checkpoint=path)
     if background is None:  # ckpt.save_sharded splits the checkpoint again
         error = attempt(lambda: _save_and_publish(staging, path, checkpoint, rank=rank))
         settle(error, checkpoint=path, staging=staging, rank=rank)
         return
-    trainer_state = snapshot(trainer_state, set())
-    # Tensors are copied to host memory before async_save returns; training may change them after.
+    # Tensors are copied to host memory before async_save returns, and the trainer state is pickled
+    # already (the bytes written to meta.pt); training may change both after.
     future = dcp.async_save(tensors, storage_writer=ckpt.ShardWriter(staging), process_group=group())
-    finish = (lambda: (ckpt.write_trainer_state(staging, trainer_state), ckpt.publish(staging, path))) if rank == 0 else None
+    finish = (lambda: (write_trainer_state(staging, trainer_state_data), ckpt.publish(staging, path))) if rank == 0 else None
     background.submit(future, checkpoint=path, staging=staging, then=finish)
 
 

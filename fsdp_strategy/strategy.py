@@ -38,8 +38,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, integrity, rendezvous, saving, trainer_call, unused
+from fsdp_strategy import background, rendezvous, saving, unused, verify
+from fsdp_strategy._compat import weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
+from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -814,14 +816,12 @@ class FSDP2Strategy(ParallelStrategy):
         optimizers = self._sharded_optimizers() if fitting else []
         strict = self.lightning_module.strict_loading
         if weights_only is None:  # Lightning drops the user's choice for strategies that restore after setup
-            weights_only = trainer_call.weights_only_of_trainer_call()
-        if path.is_dir() and integrity.looks_like_sharded_checkpoint(path):
+            weights_only = weights_only_of_trainer_call()
+        if path.is_dir() and verify.looks_like_sharded_checkpoint(path):
             # None: the user did not choose; torch.load's default since 2.6 is True.
             trusted = weights_only is False
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
-            self._on_rank_zero(
-                lambda: integrity.verify_sharded_checkpoint(path, weights_only=not trusted), integrity.CheckpointError
-            )
+            self._on_rank_zero(lambda: verify.verify_sharded_checkpoint(path, weights_only=not trusted), CheckpointError)
             return ckpt.load_sharded(path, self.model, optimizers, strict=strict, weights_only=not trusted)
         if saving.is_default_checkpoint_io(self.checkpoint_io):
             checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)

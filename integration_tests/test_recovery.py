@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_strategy import integrity
+from fsdp_strategy import verify
 from integration_tests.conftest import _environment, free_port, max_relative_difference, torchrun
 
 WORKER = "integration_tests.recovery_worker"
@@ -44,7 +44,7 @@ def test_killed_ranks_restart_from_the_last_complete_checkpoint_and_match_an_uni
     visible = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
     assert visible == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
     for name in visible:
-        integrity.verify_sharded_checkpoint(directory / name)  # every checkpoint a resume could pick is whole
+        verify.verify_sharded_checkpoint(directory / name)  # every checkpoint a resume could pick is whole
     # The restarted attempt's first save removed the staging that the killed attempt abandoned.
     assert not [p.name for p in directory.iterdir() if p.name.startswith(".")]
 

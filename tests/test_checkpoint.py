@@ -177,7 +177,7 @@ def test_init_weights_must_be_an_existing_file(tmp_path):
 
 
 def test_a_truncated_full_checkpoint_file_is_named_without_the_zip_readers_message(tmp_path):
-    from fsdp_strategy.integrity import CheckpointError
+    from fsdp_strategy import CheckpointError
 
     path = tmp_path / "model.ckpt"
     torch.save({"state_dict": TinyLM().state_dict()}, path)
@@ -191,7 +191,7 @@ def test_a_truncated_full_checkpoint_file_is_named_without_the_zip_readers_messa
 
 
 def test_a_full_checkpoint_without_a_state_dict_or_missing_is_named(tmp_path):
-    from fsdp_strategy.integrity import CheckpointError
+    from fsdp_strategy import CheckpointError
 
     path = tmp_path / "weights.pt"
     torch.save({"weights": torch.zeros(1)}, path)
@@ -203,7 +203,7 @@ def test_a_full_checkpoint_without_a_state_dict_or_missing_is_named(tmp_path):
 
 
 def test_a_full_checkpoint_of_another_model_names_the_mismatching_keys(mesh, tmp_path):
-    from fsdp_strategy.integrity import CheckpointError
+    from fsdp_strategy import CheckpointError
 
     path = tmp_path / "other.ckpt"
     torch.save({"state_dict": TinyLM(n_layer=4).state_dict()}, path)
@@ -218,7 +218,7 @@ class NotPlainData:
 
 
 def test_a_full_checkpoint_with_objects_is_refused_under_weights_only(tmp_path):
-    from fsdp_strategy.integrity import CheckpointError
+    from fsdp_strategy import CheckpointError
 
     path = tmp_path / "objects.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"thing": NotPlainData()}}, path)
@@ -232,7 +232,7 @@ def test_a_full_checkpoint_with_objects_is_refused_under_weights_only(tmp_path):
 
 
 def test_init_weights_file_that_is_damaged_or_holds_no_state_dict_is_named(tmp_path):
-    from fsdp_strategy.integrity import CheckpointError
+    from fsdp_strategy import CheckpointError
 
     truncated = tmp_path / "weights.pt"
     torch.save(TinyLM().state_dict(), truncated)

@@ -33,7 +33,7 @@ from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import consolidate as consolidate_module
 from fsdp_strategy.cli import main
 from fsdp_strategy.consolidate import consolidate_checkpoint
-from fsdp_strategy.integrity import CheckpointError
+from fsdp_strategy import CheckpointError
 from integration_tests.models import TinyLM, token_loader
 
 # dcp.save(no_dist=True) writes the small hand-made checkpoints below; it warns that it runs without a group.
@@ -462,7 +462,7 @@ def test_directory_without_meta_pt(tmp_path):
     )
 
 
-# Deeper damage is found by fsdp_strategy.integrity (tested in test_integrity.py, which owns the wording):
+# Deeper damage is found by fsdp_strategy.verify (tested in test_integrity.py, which owns the wording):
 # here only that consolidation stops with its CheckpointError, a ValueError naming directory and file.
 
 

@@ -252,6 +252,46 @@ def test_a_snapshot_copies_the_tensors_training_changes_in_place(mesh):
     assert all(state["step"].item() == 1 for state in frozen["optimizer_states"][0]["state"].values())
 
 
+class RunConfig:
+    """A hyper-parameter object: kept as the object in ``meta.pt``, and changeable while a save runs."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_a_background_sharded_save_writes_the_trainer_state_of_its_step(mesh, tmp_path, monkeypatch):
+    model = sharded_tinylm(mesh, seed=0)
+    shards_written: Future = Future()
+
+    def async_save(state, *, storage_writer, process_group):  # the shards are written; the future completes later
+        dcp.save(state, storage_writer=storage_writer, process_group=process_group)
+        return shards_written
+
+    monkeypatch.setattr(saving.dcp, "async_save", async_save)
+    config, score, history = RunConfig(lr=0.1), torch.tensor(1.0), [1]
+    checkpoint = {
+        "state_dict": ckpt.model_state(model, full=False),
+        "epoch": 0,
+        "hyper_parameters": {"config": config},
+        "callbacks": {"Tracker": {"score": score, "history": history}},
+    }
+    saves, path = background.BackgroundSave(), tmp_path / "last.ckpt"
+    saving.save_sharded(checkpoint, path, saving.staging_token(), rank=0, background=saves, group=lambda: None)
+    # Training goes on while the shards are written: it changes tensors, containers and objects in place.
+    score.add_(1)
+    history.append(2)
+    config.lr = 0.2
+    shards_written.set_result(None)  # rank 0 then writes meta.pt and renames the checkpoint into place
+    outcome = saves.wait()
+    saves.close()
+
+    assert outcome is not None and outcome.error is None
+    state = torch.load(path / "meta.pt", weights_only=False)
+    assert state["callbacks"]["Tracker"]["score"].item() == 1.0
+    assert state["callbacks"]["Tracker"]["history"] == [1]
+    assert state["hyper_parameters"]["config"].lr == 0.1
+
+
 # --- through the Trainer -------------------------------------------------------------------------
 
 

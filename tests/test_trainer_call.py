@@ -1,6 +1,7 @@
 """The ``weights_only`` of ``trainer.fit``/``validate`` reaches ``FSDP2Strategy.load_checkpoint``.
 
-Lightning drops it for strategies that restore after setup; ``fsdp_strategy.trainer_call`` recovers it.
+Lightning drops it for strategies that restore after setup; ``fsdp_strategy._compat.weights_only_of_trainer_call``
+recovers it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 import fsdp_strategy
-from fsdp_strategy.integrity import CheckpointError
-from fsdp_strategy.trainer_call import weights_only_of_trainer_call
+from fsdp_strategy import CheckpointError
+from fsdp_strategy._compat import weights_only_of_trainer_call
 from integration_tests.models import TinyLM, token_loader
 
 
@@ -85,3 +86,20 @@ def test_weights_only_given_to_the_trainer_call_reaches_the_sharded_load(trainer
     trainer_env.fresh()
     with torch.serialization.safe_globals([Config, Mode]):
         trainer(4).validate(ConfiguredLM(), token_loader(samples=8), ckpt_path=tmp_path / "ck")
+
+
+def deeper_hook(weights_only: bool = True) -> bool | None:
+    """What a hook deeper in the call sees; its own local of that name is not the Trainer call's."""
+    return weights_only_of_trainer_call()
+
+
+def test_the_value_is_read_from_the_trainer_run_frame_alone(monkeypatch):
+    from lightning.pytorch.trainer.trainer import Trainer
+
+    def _run(self, weights_only):  # stands for Trainer._run, with the local of that name
+        return deeper_hook()
+
+    assert deeper_hook(False) is None  # no Trainer._run frame on the stack
+    monkeypatch.setattr(Trainer, "_run", _run)
+    assert [_run(None, value) for value in (True, False, None)] == [True, False, None]
+    assert _run(None, "no") is None  # not a bool: torch's default applies

@@ -247,7 +247,7 @@ def test_full_state_dict_checkpoint_is_one_lightning_file_that_resumes(trainer_e
 
 
 def test_resuming_from_a_damaged_or_foreign_checkpoint_names_the_problem(trainer_env, tmp_path):
-    from fsdp_strategy.integrity import CheckpointError
+    from fsdp_strategy import CheckpointError
 
     first = trainer(tmp_path, max_steps=1, strategy=FSDP2Strategy(state_dict_type="sharded"))
     first.fit(TinyLM(), loader())
