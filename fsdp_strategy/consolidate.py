@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from fsdp_strategy import integrity
 from fsdp_strategy.checkpoint import MODEL_KEY
 from fsdp_strategy.integrity import DCP_METADATA_FILENAME, TRAINER_STATE_FILENAME
+from fsdp_strategy.sizes import format_bytes
 
 __all__ = ["consolidate_checkpoint"]
 
@@ -67,7 +68,7 @@ class _Summary:
     file_bytes: int
 
     def describe(self) -> str:
-        data, file = _human_size(self.tensor_bytes), _human_size(self.file_bytes)
+        data, file = format_bytes(self.tensor_bytes), format_bytes(self.file_bytes)
         return f"{self.path}: {self.tensors} tensors, {data} of tensor data, file {file}"
 
 
@@ -370,12 +371,3 @@ def _save_atomically(checkpoint: dict[str, Any], target: Path, overwrite: bool) 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _human_size(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    for exponent, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if size >= 1024**exponent or unit == "KiB":
-            return f"{size / 1024**exponent:.1f} {unit}"
-    raise AssertionError("unreachable")

@@ -26,7 +26,6 @@ import importlib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.mesh import resolve_mesh_shape
 from fsdp_strategy.parallelize import plan_units
 from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy
@@ -45,6 +45,7 @@ from fsdp_strategy.precision import (
     is_normalization,
     mixed_precision_policy,
 )
+from fsdp_strategy.sizes import format_bytes, parse_bytes
 
 __all__ = [
     "ACCEPTED_PRECISIONS",
@@ -56,8 +57,6 @@ __all__ = [
     "Recommendation",
     "estimate",
     "estimate_module",
-    "format_bytes",
-    "parse_bytes",
 ]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
@@ -84,11 +83,7 @@ _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
 _HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _JSON_FORM = """a JSON object such as '{"n_layer": 12}'"""
-_SIZE_FORMS = "a size like 80GiB, 80GB, 512MiB or 1.5TiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or plain bytes"
 
 
 @dataclass(frozen=True)
@@ -190,10 +185,10 @@ def _check_options(
         raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
     if strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {', '.join(STRATEGIES)}; got {strategy!r}.")
-    _check_positive_int("world_size", world_size)
-    _check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    check_positive_int("world_size", world_size)
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
     if processes_per_node is not None:
-        _check_positive_int("processes_per_node", processes_per_node)
+        check_positive_int("processes_per_node", processes_per_node)
     _check_optimizer(optimizer)
     return canonical_precision(precision)
 
@@ -212,11 +207,6 @@ def canonical_precision(precision: str) -> str:
             f" {', '.join(_PRECISION_ALIASES)}); got {precision!r}."
         )
     return canonical
-
-
-def _check_positive_int(option: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{option}` must be a positive int; got {value!r}.")
 
 
 def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
@@ -457,34 +447,6 @@ def _ddp_working_bytes(group: _Group, grads: int) -> int:
 # --- bytes as text -------------------------------------------------------------------------------
 
 
-def parse_bytes(value: int | str, *, option: str = "budget") -> int:
-    """``"80GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5TiB"`` or plain bytes (``1073741824``) as an int.
-
-    Raises:
-        ValueError: ``value`` is none of those forms, or not positive.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value > 0:
-            return value
-        raise ValueError(f"`{option}` must be positive: {_SIZE_FORMS}; got {value!r}.")
-    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
-    unit = match.group(2).lower() if match else ""
-    if match is None or (unit and unit not in _UNITS):
-        raise ValueError(f"`{option}` must be {_SIZE_FORMS}; got {value!r}.")
-    size = int(float(match.group(1)) * _UNITS[unit or "b"])
-    if size <= 0:
-        raise ValueError(f"`{option}` must be positive: {_SIZE_FORMS}; got {value!r}.")
-    return size
-
-
-def format_bytes(size: float) -> str:
-    """``size`` in the largest binary unit that keeps it at or above 1 (``"9.1 GiB"``)."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size:.0f} B"
-
-
 def parse_world_sizes(text: str, *, option: str = "--world-sizes") -> list[int]:
     """``"1,2,4,8"`` as ``[1, 2, 4, 8]``."""
     try:
@@ -592,7 +554,7 @@ def estimate(
     _check_optimizer(optimizer)
     normalize_policy(wrap_policy, option="wrap_policy")
     if processes_per_node is not None:
-        _check_positive_int("processes_per_node", processes_per_node)
+        check_positive_int("processes_per_node", processes_per_node)
     model = build_on_meta(load_target(target), init_args or {})
     rows, skipped = [], []
     for world_size in world_sizes:

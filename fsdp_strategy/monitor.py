@@ -44,8 +44,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_strategy.estimate import Estimate, estimate_module, format_bytes, unique_parameters
-from fsdp_strategy.strategy import FSDP2Strategy, _check_positive_int
+from fsdp_strategy.checks import check_positive_int as _check_positive_int
+from fsdp_strategy.estimate import Estimate, estimate_module, unique_parameters
+from fsdp_strategy.sizes import format_bytes
+from fsdp_strategy.strategy import FSDP2Strategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
