@@ -22,11 +22,8 @@ for a group of one rank, where FSDP2 copies instead of communicating.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -46,6 +43,7 @@ from fsdp_strategy.precision import (
     mixed_precision_policy,
 )
 from fsdp_strategy.sizes import format_bytes, parse_bytes
+from fsdp_strategy.target import load_target
 
 __all__ = [
     "ACCEPTED_PRECISIONS",
@@ -630,37 +628,6 @@ def _check_strategies(strategies: Sequence[str]) -> list[str]:
     if isinstance(strategies, str) or not strategies or unknown:
         raise ValueError(f"`strategies` must be a non-empty list from {', '.join(STRATEGIES)}; got {strategies!r}.")
     return sorted(set(strategies), key=RECOMMENDATION_ORDER.index)
-
-
-def load_target(target: str | type[nn.Module]) -> type[nn.Module]:
-    """The module class named by ``"package.module:Class"`` (the current directory is importable)."""
-    if isinstance(target, type):
-        cls = target
-    elif isinstance(target, str) and target.count(":") == 1 and all(target.split(":")):
-        module_name, _, attribute = target.partition(":")
-        if os.getcwd() not in sys.path and "" not in sys.path:  # a console script does not add it
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(
-                f"Could not import {module_name!r} for {target!r}: {exc}. MODULE must be importable from the"
-                " current directory or the Python path."
-            ) from exc
-        cls = getattr(module, attribute, None)
-        if cls is None:
-            classes = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)]
-            raise ValueError(
-                f"{module_name!r} has no attribute {attribute!r}; its nn.Module classes are:"
-                f" {', '.join(sorted(classes)) or 'none'}."
-            )
-    else:
-        raise ValueError(
-            f"The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got {target!r}."
-        )
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise TypeError(f"{target!r} must name a torch.nn.Module subclass; it is {cls!r}.")
-    return cls
 
 
 def build_on_meta(cls: type[nn.Module], init_args: dict[str, Any]) -> nn.Module:

@@ -16,7 +16,6 @@ from fsdp_strategy.estimate import (
     Estimate,
     estimate,
     estimate_module,
-    load_target,
     parse_init_args,
     parse_strategies,
     parse_world_sizes,
@@ -26,6 +25,7 @@ from fsdp_strategy.parallelize import apply_fully_shard, plan_units
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.precision import mixed_precision_policy
 from fsdp_strategy.sizes import format_bytes
+from fsdp_strategy.target import load_target
 from integration_tests.models import TinyLM
 
 F32 = 4

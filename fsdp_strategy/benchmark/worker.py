@@ -42,8 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
-from fsdp_strategy.benchmark.run import PRECISIONS, PROGRESS_PREFIX, STRATEGIES
-from fsdp_strategy.estimate import load_target
+from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, STRATEGIES, load_model_class
 from fsdp_strategy.monitor import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
@@ -65,14 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--out", required=True, help="directory for rank<R>.json")
     return p.parse_args(argv)
-
-
-def load_model_class(spec: str) -> type[L.LightningModule]:
-    """The LightningModule class named by ``MODULE:Class``; ``ValueError`` naming the spec otherwise."""
-    cls = load_target(spec)
-    if not issubclass(cls, L.LightningModule):
-        raise ValueError(f"`--model` {spec!r} must name a LightningModule subclass; it is {cls!r}.")
-    return cls
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
