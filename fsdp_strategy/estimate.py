@@ -22,7 +22,6 @@ for a group of one rank, where FSDP2 copies instead of communicating.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,7 +80,6 @@ _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
 _HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
-_JSON_FORM = """a JSON object such as '{"n_layer": 12}'"""
 
 
 @dataclass(frozen=True)
@@ -440,42 +438,6 @@ def _ddp_working_bytes(group: _Group, grads: int) -> int:
     matrices = [p for p in group.params if len(p.shape) >= 2 and p.compute < p.storage]
     autocast_copies = sum(math.prod(p.shape) * p.compute for p in matrices)
     return grads + autocast_copies
-
-
-# --- bytes as text -------------------------------------------------------------------------------
-
-
-def parse_world_sizes(text: str, *, option: str = "--world-sizes") -> list[int]:
-    """``"1,2,4,8"`` as ``[1, 2, 4, 8]``."""
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or any(size <= 0 for size in sizes):
-        raise ValueError(f"`{option}` must be comma-separated positive ints such as 1,2,4,8; got {text!r}.")
-    return sizes
-
-
-def parse_strategies(text: str, *, option: str = "--strategies") -> list[str]:
-    """``"ddp,fsdp2"`` as ``["ddp", "fsdp2"]``, each one of :data:`STRATEGIES`."""
-    names = [part.strip() for part in text.split(",")]
-    unknown = [name for name in names if name not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"`{option}` must be comma-separated names from {', '.join(STRATEGIES)}; got {text!r}.")
-    return names
-
-
-def parse_init_args(text: str | None, *, option: str = "--init-args") -> dict[str, Any]:
-    """A JSON object of constructor arguments (``None``: no arguments)."""
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r} ({exc}).") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r}.")
-    return value
 
 
 # --- a LightningModule at several world sizes --------------------------------------------------------

@@ -11,14 +11,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_strategy.cli import main
+from fsdp_strategy.cli import main, parse_init_args, parse_strategies, parse_world_sizes
 from fsdp_strategy.estimate import (
     Estimate,
     estimate,
     estimate_module,
-    parse_init_args,
-    parse_strategies,
-    parse_world_sizes,
     recommend,
 )
 from fsdp_strategy.parallelize import apply_fully_shard, plan_units
