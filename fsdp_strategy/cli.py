@@ -48,7 +48,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from fsdp_strategy.estimate import estimate
+    from fsdp_strategy.estimate_report import estimate
     from fsdp_strategy.sizes import parse_bytes
 
     try:

@@ -12,12 +12,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_strategy.cli import main, parse_init_args, parse_strategies, parse_world_sizes
-from fsdp_strategy.estimate import (
-    Estimate,
-    estimate,
-    estimate_module,
-    recommend,
-)
+from fsdp_strategy.estimate import Estimate, estimate_module
+from fsdp_strategy.estimate_report import estimate, recommend
 from fsdp_strategy.parallelize import apply_fully_shard, plan_units
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.precision import mixed_precision_policy
