@@ -7,7 +7,8 @@ Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_o
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.consolidate import consolidate_checkpoint
-from fsdp_strategy.estimate import Estimate, estimate, estimate_module
+from fsdp_strategy.estimate import Estimate, estimate_module
+from fsdp_strategy.estimate_report import estimate
 from fsdp_strategy.guard import NonFiniteGradientError
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.monitor import ShardingMonitor

@@ -7,8 +7,9 @@ import json
 import platform
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "parse_init_args", "parse_strategies", "parse_world_sizes"]
 
 
 def _env(_: argparse.Namespace) -> int:
@@ -47,7 +48,8 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from fsdp_strategy.estimate import estimate, parse_bytes, parse_init_args, parse_strategies, parse_world_sizes
+    from fsdp_strategy.estimate_report import estimate
+    from fsdp_strategy.sizes import parse_bytes
 
     try:
         report = estimate(
@@ -97,9 +99,48 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+# --- the command line's text as the values the estimator and the benchmark take ------------------------------
+
+_JSON_FORM = """a JSON object such as '{"n_layer": 12}'"""
+
+
+def parse_world_sizes(text: str, *, option: str = "--world-sizes") -> list[int]:
+    """``"1,2,4,8"`` as ``[1, 2, 4, 8]``."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size <= 0 for size in sizes):
+        raise ValueError(f"`{option}` must be comma-separated positive ints such as 1,2,4,8; got {text!r}.")
+    return sizes
+
+
+def parse_strategies(text: str, *, option: str = "--strategies") -> list[str]:
+    """``"ddp,fsdp2"`` as ``["ddp", "fsdp2"]``, each one of the estimator's strategies."""
+    from fsdp_strategy.estimate import STRATEGIES
+
+    names = [part.strip() for part in text.split(",")]
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"`{option}` must be comma-separated names from {', '.join(STRATEGIES)}; got {text!r}.")
+    return names
+
+
+def parse_init_args(text: str | None, *, option: str = "--init-args") -> dict[str, Any]:
+    """A JSON object of constructor arguments (``None``: no arguments)."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r} ({exc}).") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r}.")
+    return value
+
+
 def _benchmark(args: argparse.Namespace) -> int:
     from fsdp_strategy.benchmark import run
-    from fsdp_strategy.estimate import parse_init_args, parse_world_sizes
 
     try:
         run.run_benchmark(

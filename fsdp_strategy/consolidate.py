@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from fsdp_strategy.checkpoint import MODEL_KEY
 from fsdp_strategy.dcp_metadata import DCP_METADATA_FILENAME, read_dcp_metadata
+from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME, load_trainer_state, torch_load
 from fsdp_strategy.verify import verify_sharded_checkpoint
 
@@ -68,7 +69,7 @@ class _Summary:
     file_bytes: int
 
     def describe(self) -> str:
-        data, file = _human_size(self.tensor_bytes), _human_size(self.file_bytes)
+        data, file = format_bytes(self.tensor_bytes), format_bytes(self.file_bytes)
         return f"{self.path}: {self.tensors} tensors, {data} of tensor data, file {file}"
 
 
@@ -371,12 +372,3 @@ def _save_atomically(checkpoint: dict[str, Any], target: Path, overwrite: bool) 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _human_size(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    for exponent, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if size >= 1024**exponent or unit == "KiB":
-            return f"{size / 1024**exponent:.1f} {unit}"
-    raise AssertionError("unreachable")

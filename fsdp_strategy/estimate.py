@@ -8,9 +8,8 @@ so the root holds everything outside the blocks, tied weights are counted once, 
 a meta-device model (nothing allocated) and on a model already sharded by FSDP2 (global shapes of
 the DTensor parameters, its units as they were sharded).
 
-:func:`estimate` builds a LightningModule on the meta device, estimates every strategy at every
-world size, and recommends the simplest strategy that fits a memory budget
-(``fsdp-strategy estimate``).
+:func:`fsdp_strategy.estimate` (:mod:`~fsdp_strategy.estimate_report`) runs it for every strategy and
+world size on a model built on the meta device, and recommends one (``fsdp-strategy estimate``).
 
 Figures are per rank, for the rank holding the largest shards (rank 0): FSDP2 pads each parameter's
 first dimension to a multiple of the shard size, so rank 0 holds ``ceil(d0 / shards)`` rows.
@@ -22,23 +21,19 @@ for a group of one rank, where FSDP2 copies instead of communicating.
 
 from __future__ import annotations
 
-import importlib
-import json
 import math
-import os
-import re
-import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.mesh import resolve_mesh_shape
 from fsdp_strategy.parallelize import plan_units
-from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy
+from fsdp_strategy.policy import PolicyInput, normalize_policy
 from fsdp_strategy.precision import (
     FULL_PRECISION_POLICY,
     SUPPORTED_PRECISIONS,
@@ -49,20 +44,16 @@ from fsdp_strategy.precision import (
 __all__ = [
     "ACCEPTED_PRECISIONS",
     "OPTIMIZERS",
-    "RECOMMENDATION_ORDER",
     "STRATEGIES",
     "Estimate",
-    "EstimateReport",
-    "Recommendation",
-    "estimate",
+    "canonical_precision",
+    "check_optimizer",
     "estimate_module",
-    "format_bytes",
-    "parse_bytes",
+    "node_size_mismatch",
+    "unique_parameters",
 ]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
-# Simplest first: the order in which strategies are tried against a budget.
-RECOMMENDATION_ORDER = ("ddp", "fsdp2_grad_op", "fsdp2", "fsdp2_hybrid", "fsdp2_offload")
 # Optimizer state tensors of the parameter's size, and whether a step counter is kept per parameter.
 _OPTIMIZER_STATE = {
     "adamw": (2, True),
@@ -84,11 +75,6 @@ _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
 _HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
-_JSON_FORM = """a JSON object such as '{"n_layer": 12}'"""
-_SIZE_FORMS = "a size like 80GiB, 80GB, 512MiB or 1.5TiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or plain bytes"
 
 
 @dataclass(frozen=True)
@@ -190,15 +176,16 @@ def _check_options(
         raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
     if strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {', '.join(STRATEGIES)}; got {strategy!r}.")
-    _check_positive_int("world_size", world_size)
-    _check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    check_positive_int("world_size", world_size)
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
     if processes_per_node is not None:
-        _check_positive_int("processes_per_node", processes_per_node)
-    _check_optimizer(optimizer)
+        check_positive_int("processes_per_node", processes_per_node)
+    check_optimizer(optimizer)
     return canonical_precision(precision)
 
 
-def _check_optimizer(optimizer: str) -> None:
+def check_optimizer(optimizer: str) -> None:
+    """Raises ``ValueError`` unless ``optimizer`` is one of :data:`OPTIMIZERS`."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
 
@@ -214,11 +201,6 @@ def canonical_precision(precision: str) -> str:
     return canonical
 
 
-def _check_positive_int(option: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{option}` must be a positive int; got {value!r}.")
-
-
 def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
     """``(replicate, shard)`` and a note on how it was chosen."""
     if strategy == "ddp":
@@ -229,7 +211,7 @@ def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) ->
         return (1, world_size), ""
     if processes_per_node is not None:
         if world_size % processes_per_node:
-            raise ValueError(_node_size_mismatch(processes_per_node, world_size))
+            raise ValueError(node_size_mismatch(processes_per_node, world_size))
         mesh = resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node)
         return mesh, ""
     if world_size % 2 == 0:
@@ -239,7 +221,8 @@ def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) ->
     return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
 
 
-def _node_size_mismatch(processes_per_node: int, world_size: int) -> str:
+def node_size_mismatch(processes_per_node: int, world_size: int) -> str:
+    """Why ``fsdp2_hybrid`` cannot run ``world_size`` ranks in nodes of ``processes_per_node``."""
     return (
         f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
         " shards within a node and replicates across nodes."
@@ -452,317 +435,3 @@ def _ddp_working_bytes(group: _Group, grads: int) -> int:
     matrices = [p for p in group.params if len(p.shape) >= 2 and p.compute < p.storage]
     autocast_copies = sum(math.prod(p.shape) * p.compute for p in matrices)
     return grads + autocast_copies
-
-
-# --- bytes as text -------------------------------------------------------------------------------
-
-
-def parse_bytes(value: int | str, *, option: str = "budget") -> int:
-    """``"80GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5TiB"`` or plain bytes (``1073741824``) as an int.
-
-    Raises:
-        ValueError: ``value`` is none of those forms, or not positive.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value > 0:
-            return value
-        raise ValueError(f"`{option}` must be positive: {_SIZE_FORMS}; got {value!r}.")
-    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
-    unit = match.group(2).lower() if match else ""
-    if match is None or (unit and unit not in _UNITS):
-        raise ValueError(f"`{option}` must be {_SIZE_FORMS}; got {value!r}.")
-    size = int(float(match.group(1)) * _UNITS[unit or "b"])
-    if size <= 0:
-        raise ValueError(f"`{option}` must be positive: {_SIZE_FORMS}; got {value!r}.")
-    return size
-
-
-def format_bytes(size: float) -> str:
-    """``size`` in the largest binary unit that keeps it at or above 1 (``"9.1 GiB"``)."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size:.0f} B"
-
-
-def parse_world_sizes(text: str, *, option: str = "--world-sizes") -> list[int]:
-    """``"1,2,4,8"`` as ``[1, 2, 4, 8]``."""
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or any(size <= 0 for size in sizes):
-        raise ValueError(f"`{option}` must be comma-separated positive ints such as 1,2,4,8; got {text!r}.")
-    return sizes
-
-
-def parse_strategies(text: str, *, option: str = "--strategies") -> list[str]:
-    """``"ddp,fsdp2"`` as ``["ddp", "fsdp2"]``, each one of :data:`STRATEGIES`."""
-    names = [part.strip() for part in text.split(",")]
-    unknown = [name for name in names if name not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"`{option}` must be comma-separated names from {', '.join(STRATEGIES)}; got {text!r}.")
-    return names
-
-
-def parse_init_args(text: str | None, *, option: str = "--init-args") -> dict[str, Any]:
-    """A JSON object of constructor arguments (``None``: no arguments)."""
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r} ({exc}).") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"`{option}` must be {_JSON_FORM}; got {text!r}.")
-    return value
-
-
-# --- a LightningModule at several world sizes --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """The simplest strategy that fits the budget at one world size (``None`` when none fits)."""
-
-    world_size: int
-    strategy: str | None
-    reason: str
-
-
-@dataclass(frozen=True)
-class EstimateReport:
-    """Every strategy at every world size, and a recommendation per world size when a budget is given."""
-
-    model: str
-    num_params: int
-    precision: str
-    optimizer: str
-    budget: int | None
-    rows: list[Estimate]
-    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (strategy, world size, why)
-    recommendations: list[Recommendation] = field(default_factory=list)
-
-    def recommendation(self, world_size: int) -> Recommendation | None:
-        return next((r for r in self.recommendations if r.world_size == world_size), None)
-
-    def table(self) -> str:
-        return _table(self)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "num_params": self.num_params,
-            "precision": self.precision,
-            "optimizer": self.optimizer,
-            "budget": self.budget,
-            "rows": [row.as_dict() for row in self.rows],
-            "skipped": [{"strategy": s, "world_size": w, "reason": r} for s, w, r in self.skipped],
-            "recommendations": [asdict(r) for r in self.recommendations],
-        }
-
-
-def estimate(
-    target: str | type[nn.Module],
-    *,
-    init_args: dict[str, Any] | None = None,
-    world_sizes: Sequence[int],
-    precision: str = "32-true",
-    optimizer: str = "adamw",
-    budget: int | str | None = None,
-    processes_per_node: int | None = None,
-    strategies: Sequence[str] = STRATEGIES,
-    wrap_policy: PolicyInput = "auto",
-    accumulate_grad_batches: int = 1,
-) -> EstimateReport:
-    """Estimates every strategy in ``strategies`` at every world size for a module built on the meta device.
-
-    ``target`` is a module class or ``"package.module:Class"``; it is built with ``init_args`` on the
-    meta device (``configure_model()`` too, when a LightningModule defines it), so no memory is
-    allocated and no process group is needed. With a ``budget`` (bytes per rank, an int or a
-    string such as ``"80GiB"``) each world size gets the simplest strategy whose peak fits.
-
-    Raises:
-        ValueError / TypeError: a bad option, a target that cannot be imported or built.
-    """
-    budget_bytes = None if budget is None else parse_bytes(budget, option="budget")
-    world_sizes = _check_world_sizes(world_sizes)
-    strategies = _check_strategies(strategies)
-    precision = canonical_precision(precision)
-    _check_optimizer(optimizer)
-    normalize_policy(wrap_policy, option="wrap_policy")
-    if processes_per_node is not None:
-        _check_positive_int("processes_per_node", processes_per_node)
-    model = build_on_meta(load_target(target), init_args or {})
-    rows, skipped = [], []
-    for world_size in world_sizes:
-        for strategy in strategies:
-            if strategy == "fsdp2_hybrid" and processes_per_node is not None and world_size % processes_per_node:
-                skipped.append((strategy, world_size, _node_size_mismatch(processes_per_node, world_size)))
-                continue
-            rows.append(
-                estimate_module(
-                    model,
-                    strategy=strategy,
-                    world_size=world_size,
-                    precision=precision,
-                    optimizer=optimizer,
-                    processes_per_node=processes_per_node,
-                    wrap_policy=wrap_policy,
-                    accumulate_grad_batches=accumulate_grad_batches,
-                )
-            )
-    recommendations = [] if budget_bytes is None else [recommend(rows, w, budget_bytes) for w in world_sizes]
-    return EstimateReport(
-        model=class_name(model),
-        num_params=sum(p.numel() for p in unique_parameters(model)),
-        precision=precision,
-        optimizer=optimizer,
-        budget=budget_bytes,
-        rows=rows,
-        skipped=skipped,
-        recommendations=recommendations,
-    )
-
-
-def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recommendation:
-    """The first strategy in :data:`RECOMMENDATION_ORDER` whose peak bytes fit ``budget`` at ``world_size``,
-    with the figures that rule out the simpler ones."""
-    candidates = [r for r in rows if r.world_size == world_size]
-    candidates.sort(key=lambda r: RECOMMENDATION_ORDER.index(r.strategy))
-    if not candidates:
-        return Recommendation(world_size, None, "no strategy was estimated at this world size")
-    limit = format_bytes(budget)
-    fits = [r for r in candidates if r.peak_bytes <= budget]
-    too_big = candidates[: candidates.index(fits[0])] if fits else candidates
-    needs = ", ".join(f"{r.strategy} {format_bytes(r.peak_bytes)}" for r in too_big)
-    if not fits:
-        return Recommendation(
-            world_size,
-            None,
-            f"nothing fits the {limit} budget per rank ({needs}); use more ranks, a lower precision or a"
-            " lighter optimizer",
-        )
-    chosen = fits[0]
-    why = f"{chosen.strategy} needs {format_bytes(chosen.peak_bytes)} per rank <= {limit} budget"
-    if len(too_big) == 1:
-        simplest = too_big[0]
-        why = f"{simplest.strategy} needs {format_bytes(simplest.peak_bytes)} per rank > {limit} budget; {why}"
-        return Recommendation(world_size, chosen.strategy, why)
-    if too_big:
-        return Recommendation(world_size, chosen.strategy, f"{needs} per rank exceed the {limit} budget; {why}")
-    return Recommendation(world_size, chosen.strategy, f"{why}, and it is the simplest")
-
-
-def _check_world_sizes(world_sizes: Sequence[int]) -> list[int]:
-    if isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence) or not world_sizes:
-        raise ValueError(f"`world_sizes` must be a non-empty list of positive ints; got {world_sizes!r}.")
-    for size in world_sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"`world_sizes` must be a non-empty list of positive ints; got {world_sizes!r}.")
-    return list(dict.fromkeys(world_sizes))
-
-
-def _check_strategies(strategies: Sequence[str]) -> list[str]:
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if isinstance(strategies, str) or not strategies or unknown:
-        raise ValueError(f"`strategies` must be a non-empty list from {', '.join(STRATEGIES)}; got {strategies!r}.")
-    return sorted(set(strategies), key=RECOMMENDATION_ORDER.index)
-
-
-def load_target(target: str | type[nn.Module]) -> type[nn.Module]:
-    """The module class named by ``"package.module:Class"`` (the current directory is importable)."""
-    if isinstance(target, type):
-        cls = target
-    elif isinstance(target, str) and target.count(":") == 1 and all(target.split(":")):
-        module_name, _, attribute = target.partition(":")
-        if os.getcwd() not in sys.path and "" not in sys.path:  # a console script does not add it
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(
-                f"Could not import {module_name!r} for {target!r}: {exc}. MODULE must be importable from the"
-                " current directory or the Python path."
-            ) from exc
-        cls = getattr(module, attribute, None)
-        if cls is None:
-            classes = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)]
-            raise ValueError(
-                f"{module_name!r} has no attribute {attribute!r}; its nn.Module classes are:"
-                f" {', '.join(sorted(classes)) or 'none'}."
-            )
-    else:
-        raise ValueError(
-            f"The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got {target!r}."
-        )
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise TypeError(f"{target!r} must name a torch.nn.Module subclass; it is {cls!r}.")
-    return cls
-
-
-def build_on_meta(cls: type[nn.Module], init_args: dict[str, Any]) -> nn.Module:
-    """``cls(**init_args)`` with every tensor on the meta device, ``configure_model()`` included."""
-    if not isinstance(init_args, dict):
-        raise TypeError(f"`init_args` must be a dict of keyword arguments; got {type(init_args).__name__}.")
-    call = f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in init_args.items())})"
-    with torch.device("meta"):
-        try:
-            model = cls(**init_args)
-        except (TypeError, ValueError) as exc:  # an unknown, missing or invalid argument
-            raise ValueError(f"Could not build {call}: {exc}") from exc
-        configure = getattr(model, "configure_model", None)
-        if callable(configure):  # LightningModules may build their layers here
-            configure()
-    return model
-
-
-# --- the table --------------------------------------------------------------------------------------
-
-_COLUMNS = ("strategy", "mesh", "params", "grads", "optimizer", "largest unit", "peak*")
-_COLUMNS += ("all-gather", "reduce-scatter", "all-reduce", "host")
-
-
-_PEAK = "model state + gathered units and unsharded gradients (DDP: gradient buckets)"
-
-
-def _cells(row: Estimate) -> list[str]:
-    def size(value: int) -> str:
-        return format_bytes(value) if value else "-"
-
-    return [
-        row.strategy,
-        f"{row.mesh[0]}x{row.mesh[1]}",
-        *(size(v) for v in (row.param_bytes, row.grad_bytes, row.optimizer_bytes, row.largest_unit_bytes)),
-        format_bytes(row.peak_bytes),
-        *(size(v) for v in (row.all_gather_bytes, row.reduce_scatter_bytes, row.all_reduce_bytes, row.host_bytes)),
-    ]
-
-
-def _aligned(table: list[list[str]]) -> list[str]:
-    """Names left-aligned, sizes right-aligned, columns two spaces apart."""
-    widths = [max(len(cell) for cell in column) for column in zip(*table)]
-    return [
-        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
-        for line in table
-    ]
-
-
-def _table(report: EstimateReport) -> str:
-    lines = [
-        f"{report.model}: {report.num_params:,} parameters, precision {report.precision}, optimizer {report.optimizer}",
-        "Bytes per rank; communication in full-size bytes per optimizer step.",
-    ]
-    # A world size where every strategy was skipped has no rows, only its reasons.
-    world_sizes = sorted({r.world_size for r in report.rows} | {w for _, w, _ in report.skipped})
-    for world_size in world_sizes:
-        rows = [r for r in report.rows if r.world_size == world_size]
-        lines += ["", f"world size {world_size}"]
-        lines += _aligned([list(_COLUMNS), *map(_cells, rows)]) if rows else []
-        lines += [f"  {r.strategy}: {r.note}" for r in rows if r.note]
-        lines += [f"  {s}: skipped: {why}" for s, w, why in report.skipped if w == world_size]
-    lines += ["", f"* peak: {_PEAK}; activations not included."]
-    if report.budget is None:
-        lines.append("Pass a budget (--budget 80GiB) for a recommendation.")
-    lines += [f"world size {r.world_size}: {r.strategy or 'none fits'} ({r.reason})" for r in report.recommendations]
-    return "\n".join(lines)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp_strategy.checks import check_positive_int
+
 __all__ = ["REPLICATE_DIM", "SHARD_DIM", "build_device_mesh", "resolve_mesh_shape"]
 
 # torch's own HSDP convention: the replicate dimension comes first.
@@ -21,8 +23,8 @@ def resolve_mesh_shape(
     and replicates across nodes.
     """
     for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size), ("processes_per_node", processes_per_node)):
-        if size is not None and size <= 0:
-            raise ValueError(f"`{option}` must be a positive int; got {size}.")
+        if size is not None:
+            check_positive_int(option, size)
     shard_label = "shard_size"
     if replicate_size is None and shard_size is None:
         if processes_per_node is None:

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.background import SAVE_ERRORS, BackgroundSave, snapshot
+from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.trainer_state import check_trainer_state, write_trainer_state
 
 __all__ = [
@@ -178,7 +179,7 @@ def describe_failure(error: BaseException, *, checkpoint: Path, rank: int) -> tu
     if os_error is None and free is not None and free < _NEARLY_FULL_BYTES:
         hidden = f"{type(cause).__name__}: {_first_line(cause)}"
         return (
-            f"no space left on device in '{where}' (rank {failing_rank} was writing; {_format_bytes(free)} free there;"
+            f"no space left on device in '{where}' (rank {failing_rank} was writing; {format_bytes(free)} free there;"
             f" torch reported {hidden})"
         ), errno.ENOSPC
     if os_error is not None and os_error.errno in _NO_SPACE:
@@ -247,14 +248,6 @@ def _free_bytes(directory: Path) -> int | None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else repr(error)
-
-
-def _format_bytes(count: int) -> str:
-    if count < 1 << 10:
-        return f"{count} B"
-    if count < 1 << 20:
-        return f"{count / (1 << 10):.1f} KiB"
-    return f"{count / (1 << 20):.1f} MiB" if count < 1 << 30 else f"{count / (1 << 30):.1f} GiB"
 
 
 # --- the saves ----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from fsdp_strategy import background, rendezvous, saving, unused, verify
 from fsdp_strategy._compat import weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
+from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.parallelize import (
@@ -52,7 +53,6 @@ from fsdp_strategy.parallelize import (
     plan_units,
 )
 from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
-from fsdp_strategy.estimate import format_bytes
 from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, unshard
 from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy, select_modules
 from fsdp_strategy.precision import (
@@ -63,6 +63,7 @@ from fsdp_strategy.precision import (
     mixed_precision_policy,
     precision_plugin_for,
 )
+from fsdp_strategy.sizes import format_bytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -174,10 +175,10 @@ class FSDP2Strategy(ParallelStrategy):
         if compile_blocks == "":
             raise ValueError("`compile_blocks` must be a bool or the name of a torch.compile backend; got ''.")
         if not isinstance(reshard_after_forward, bool):
-            _check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
+            check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
         for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
             if size is not None:
-                _check_positive_int(option, size, accepted="a positive int or None")
+                check_positive_int(option, size, accepted="a positive int or None")
         if cpu_offload and not torch.cuda.is_available():
             raise ValueError(
                 "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
@@ -935,13 +936,6 @@ def _is_sharded(model: nn.Module) -> bool:
 def _check_bool(option: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
-
-
-def _check_positive_int(option: str, value: Any, *, accepted: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
-    if value <= 0:
-        raise ValueError(f"`{option}` must be {accepted}; got {value}.")
 
 
 def _as_timedelta(timeout: Any) -> timedelta:

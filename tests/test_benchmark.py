@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 
+import fsdp_strategy.benchmark
 from fsdp_strategy.benchmark.report import CSV_FIELDS, format_table, plot, summarize, write_csv, write_json
 from fsdp_strategy.benchmark.run import Job, interleaved_jobs, parse_strategies, require_extras, run_benchmark, validate
 from fsdp_strategy.cli import main
@@ -54,6 +57,19 @@ def test_a_size_becomes_the_example_gpt_with_the_sequence_length_as_block_size()
 
 def test_strategies_are_parsed_in_order():
     assert parse_strategies("raw_fsdp2, ddp") == ["raw_fsdp2", "ddp"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return names | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+
+
+def test_the_launcher_and_the_worker_do_not_import_each_other():
+    # The launcher starts the worker by module name in fresh processes; what both need is in options.py.
+    package = Path(fsdp_strategy.benchmark.__file__).parent
+    assert "fsdp_strategy.benchmark.worker" not in imported_modules(package / "run.py")
+    assert "fsdp_strategy.benchmark.run" not in imported_modules(package / "worker.py")
 
 
 def test_a_missing_extra_names_the_module_and_the_install_command():

@@ -11,22 +11,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_strategy.cli import main
-from fsdp_strategy.estimate import (
-    Estimate,
-    estimate,
-    estimate_module,
-    format_bytes,
-    load_target,
-    parse_bytes,
-    parse_init_args,
-    parse_strategies,
-    parse_world_sizes,
-    recommend,
-)
+from fsdp_strategy.cli import main, parse_init_args, parse_strategies, parse_world_sizes
+from fsdp_strategy.estimate import Estimate, estimate_module
+from fsdp_strategy.estimate_report import estimate, recommend
 from fsdp_strategy.parallelize import apply_fully_shard, plan_units
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.precision import mixed_precision_policy
+from fsdp_strategy.sizes import format_bytes
+from fsdp_strategy.target import load_target
 from integration_tests.models import TinyLM
 
 F32 = 4
@@ -244,7 +236,6 @@ def test_configure_model_runs_on_the_meta_device_too():
     [
         ({"strategy": "zero3"}, f"`strategy` must be one of {STRATEGY_NAMES}; got 'zero3'."),
         ({"world_size": 0}, "`world_size` must be a positive int; got 0."),
-        ({"world_size": True}, "`world_size` must be a positive int; got True."),
         ({"optimizer": "lamb"}, "`optimizer` must be one of adamw, adam, sgd, sgd_momentum, none; got 'lamb'."),
         (
             {"precision": "64-true"},
@@ -265,6 +256,22 @@ def test_bad_options_name_the_option_and_the_value(kwargs, message):
         estimate_module(meta(), **options)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": True}, "`world_size` must be a positive int; got True of type bool."),
+        ({"world_size": 2.0}, "`world_size` must be a positive int; got 2.0 of type float."),
+        ({"accumulate_grad_batches": "2"}, "`accumulate_grad_batches` must be a positive int; got '2' of type str."),
+        ({"processes_per_node": 1.5}, "`processes_per_node` must be a positive int; got 1.5 of type float."),
+    ],
+)
+def test_counts_of_the_wrong_type_are_type_errors(kwargs, message):
+    # The same check as FSDP2Strategy's and ShardingMonitor's options: a wrong type is a TypeError.
+    options = {"strategy": "fsdp2", "world_size": 2, **kwargs}
+    with raises(TypeError, message):
+        estimate_module(meta(), **options)
+
+
 def test_lightning_precision_aliases_are_accepted():
     assert estimate_module(meta(), strategy="fsdp2", world_size=2, precision="bf16").precision == "bf16-mixed"
 
@@ -272,42 +279,6 @@ def test_lightning_precision_aliases_are_accepted():
 def test_module_must_be_a_module():
     with pytest.raises(TypeError, match=re.escape("`module` must be a torch.nn.Module; got str.")):
         estimate_module("Net", strategy="fsdp2", world_size=2)
-
-
-# --- sizes as text ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("80GiB", 80 * 2**30),
-        ("80GB", 80 * 10**9),
-        ("512MiB", 512 * 2**20),
-        ("1.5 TiB", 3 * 2**39),
-        ("1024", 1024),
-        ("64kb", 64000),
-        (4096, 4096),
-    ],
-)
-def test_parse_bytes(text, size):
-    assert parse_bytes(text) == size
-
-
-@pytest.mark.parametrize("text", ["80 gigs", "GiB", "-1GiB", "", "8 G"])
-def test_parse_bytes_names_the_option_value_and_forms(text):
-    with raises(ValueError, f"`--budget` must be {SIZE_FORMS}; got {text!r}."):
-        parse_bytes(text, option="--budget")
-
-
-@pytest.mark.parametrize("value", [0, "0GiB"])
-def test_parse_bytes_refuses_zero(value):
-    with raises(ValueError, f"`budget` must be positive: {SIZE_FORMS}; got {value!r}."):
-        parse_bytes(value)
-
-
-def test_format_bytes():
-    sizes = (0, 1023, 1024, 9.1 * 2**30, 3 * 2**40)
-    assert [format_bytes(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "9.1 GiB", "3.0 TiB"]
 
 
 def test_cli_list_and_json_parsers():

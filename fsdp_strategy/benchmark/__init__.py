@@ -3,11 +3,13 @@
 * :mod:`~fsdp_strategy.benchmark.gpt`: the example GPT (the default model) and its sizes;
 * :mod:`~fsdp_strategy.benchmark.run`: checks the options, launches the jobs, writes the results;
 * :mod:`~fsdp_strategy.benchmark.worker`: one rank of one job, what it trains and measures;
+* :mod:`~fsdp_strategy.benchmark.options`: what the two agree on (strategies, precisions, the model by name);
 * :mod:`~fsdp_strategy.benchmark.report`: medians, ratios, CSV, JSON, the table and the plot.
 
 Needs the ``benchmarks`` extra (matplotlib, tqdm, psutil): ``pip install 'fsdp-strategy[benchmarks]'``.
 """
 
-from fsdp_strategy.benchmark.run import STRATEGIES, run_benchmark
+from fsdp_strategy.benchmark.options import STRATEGIES
+from fsdp_strategy.benchmark.run import run_benchmark
 
 __all__ = ["STRATEGIES", "run_benchmark"]

@@ -24,16 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_strategy.benchmark.gpt import GPT_SIZES
+from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, STRATEGIES, load_model_class
 from fsdp_strategy.benchmark.report import format_table, plot, summarize, write_csv, write_json
 
-__all__ = ["EXTRAS", "PRECISIONS", "STRATEGIES", "Job", "interleaved_jobs", "parse_strategies", "require_extras",
-           "run_benchmark", "validate"]
+__all__ = ["EXTRAS", "Job", "interleaved_jobs", "parse_strategies", "require_extras", "run_benchmark", "validate"]
 
-STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "model_parallel", "raw_fsdp2")
-PRECISIONS = ("32-true", "bf16-mixed")
 EXTRAS = ("matplotlib", "tqdm", "psutil")
 GPT_SPEC = "fsdp_strategy.benchmark.gpt:GPT"
-PROGRESS_PREFIX = "[fsdp-strategy-benchmark] batch"  # the worker's rank-0 progress lines
 
 
 @dataclass(frozen=True)
@@ -129,8 +126,6 @@ def run_benchmark(
         vocab_size=vocab_size,
     )
     require_extras()
-    from fsdp_strategy.benchmark.worker import load_model_class
-
     load_model_class(spec)  # a wrong --model fails here, once, not in every job
     worker_args = ["--model", spec, "--init-args", json.dumps(model_args), "--precision", precision,
                    "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--vocab-size", str(vocab_size),

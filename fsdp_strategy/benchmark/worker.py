@@ -41,8 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
-from fsdp_strategy.benchmark.run import PRECISIONS, PROGRESS_PREFIX, STRATEGIES
-from fsdp_strategy.estimate import load_target
+from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, STRATEGIES, load_model_class
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
@@ -67,12 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_model_class(spec: str) -> type[L.LightningModule]:
-    """The LightningModule class named by ``MODULE:Class``; ``ValueError`` naming the spec otherwise."""
-    cls = load_target(spec)
-    if not issubclass(cls, L.LightningModule):
-        raise ValueError(f"`--model` {spec!r} must name a LightningModule subclass; it is {cls!r}.")
-    return cls
 
 
 # --- the shared model, data, loss and optimizer -------------------------------------------------------------------

@@ -17,7 +17,7 @@ from fsdp_strategy.monitor.memory import current_rss_bytes, peak_memory, reset_p
 from fsdp_strategy.monitor.summary import format_summary, gather_rows, max_over_ranks, summarize
 from fsdp_strategy.monitor.timing import Clock, Point, between
 from fsdp_strategy.state_bytes import model_state_bytes
-from fsdp_strategy.strategy import _check_positive_int
+from fsdp_strategy.checks import check_positive_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -63,14 +63,14 @@ class ShardingMonitor(Callback):
         count_flops: bool = True,
         print_summary: bool = True,
     ) -> None:
-        _check_positive_int("warmup_steps", warmup_steps, accepted="a positive int")
+        check_positive_int("warmup_steps", warmup_steps, accepted="a positive int")
         for option, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(
                     f"`{option}` must be a callable batch -> int, or None; got {fn!r} of type {type(fn).__name__}."
                 )
         if tokens_per_sample is not None:
-            _check_positive_int("tokens_per_sample", tokens_per_sample, accepted="a positive int or None")
+            check_positive_int("tokens_per_sample", tokens_per_sample, accepted="a positive int or None")
             if tokens_fn is not None:
                 raise ValueError(
                     f"Pass `tokens_fn` or `tokens_per_sample`, not both; got tokens_fn={tokens_fn!r} and"

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.estimate import format_bytes
+from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.monitor.flops import model_flops_utilization
 
 __all__ = ["FIELDS", "format_summary", "gather_rows", "max_over_ranks", "summarize"]

@@ -1,0 +1,200 @@
+"""A model named by its class, estimated under every strategy at every world size, and the strategy to pick.
+
+:func:`estimate` builds a LightningModule on the meta device, estimates every strategy at every world size
+with :func:`~fsdp_strategy.estimate.estimate_module`, and recommends the simplest strategy that fits a memory
+budget (``fsdp-strategy estimate``; the table it prints is :mod:`~fsdp_strategy.estimate_table`'s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_strategy.checks import check_positive_int
+from fsdp_strategy.estimate import (
+    STRATEGIES,
+    Estimate,
+    canonical_precision,
+    check_optimizer,
+    estimate_module,
+    node_size_mismatch,
+    unique_parameters,
+)
+from fsdp_strategy.estimate_table import render_table
+from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy
+from fsdp_strategy.sizes import format_bytes, parse_bytes
+from fsdp_strategy.target import load_target
+
+__all__ = ["RECOMMENDATION_ORDER", "EstimateReport", "Recommendation", "build_on_meta", "estimate", "recommend"]
+
+# Simplest first: the order in which strategies are tried against a budget.
+RECOMMENDATION_ORDER = ("ddp", "fsdp2_grad_op", "fsdp2", "fsdp2_hybrid", "fsdp2_offload")
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The simplest strategy that fits the budget at one world size (``None`` when none fits)."""
+
+    world_size: int
+    strategy: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    """Every strategy at every world size, and a recommendation per world size when a budget is given."""
+
+    model: str
+    num_params: int
+    precision: str
+    optimizer: str
+    budget: int | None
+    rows: list[Estimate]
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (strategy, world size, why)
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+    def recommendation(self, world_size: int) -> Recommendation | None:
+        return next((r for r in self.recommendations if r.world_size == world_size), None)
+
+    def table(self) -> str:
+        return render_table(self)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "num_params": self.num_params,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "budget": self.budget,
+            "rows": [row.as_dict() for row in self.rows],
+            "skipped": [{"strategy": s, "world_size": w, "reason": r} for s, w, r in self.skipped],
+            "recommendations": [asdict(r) for r in self.recommendations],
+        }
+
+
+def estimate(
+    target: str | type[nn.Module],
+    *,
+    init_args: dict[str, Any] | None = None,
+    world_sizes: Sequence[int],
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    budget: int | str | None = None,
+    processes_per_node: int | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    wrap_policy: PolicyInput = "auto",
+    accumulate_grad_batches: int = 1,
+) -> EstimateReport:
+    """Estimates every strategy in ``strategies`` at every world size for a module built on the meta device.
+
+    ``target`` is a module class or ``"package.module:Class"``; it is built with ``init_args`` on the
+    meta device (``configure_model()`` too, when a LightningModule defines it), so no memory is
+    allocated and no process group is needed. With a ``budget`` (bytes per rank, an int or a
+    string such as ``"80GiB"``) each world size gets the simplest strategy whose peak fits.
+
+    Raises:
+        ValueError / TypeError: a bad option, a target that cannot be imported or built.
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget, option="budget")
+    world_sizes = _check_world_sizes(world_sizes)
+    strategies = _check_strategies(strategies)
+    precision = canonical_precision(precision)
+    check_optimizer(optimizer)
+    normalize_policy(wrap_policy, option="wrap_policy")
+    if processes_per_node is not None:
+        check_positive_int("processes_per_node", processes_per_node)
+    model = build_on_meta(load_target(target), init_args or {})
+    rows, skipped = [], []
+    for world_size in world_sizes:
+        for strategy in strategies:
+            if strategy == "fsdp2_hybrid" and processes_per_node is not None and world_size % processes_per_node:
+                skipped.append((strategy, world_size, node_size_mismatch(processes_per_node, world_size)))
+                continue
+            rows.append(
+                estimate_module(
+                    model,
+                    strategy=strategy,
+                    world_size=world_size,
+                    precision=precision,
+                    optimizer=optimizer,
+                    processes_per_node=processes_per_node,
+                    wrap_policy=wrap_policy,
+                    accumulate_grad_batches=accumulate_grad_batches,
+                )
+            )
+    recommendations = [] if budget_bytes is None else [recommend(rows, w, budget_bytes) for w in world_sizes]
+    return EstimateReport(
+        model=class_name(model),
+        num_params=sum(p.numel() for p in unique_parameters(model)),
+        precision=precision,
+        optimizer=optimizer,
+        budget=budget_bytes,
+        rows=rows,
+        skipped=skipped,
+        recommendations=recommendations,
+    )
+
+
+def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recommendation:
+    """The first strategy in :data:`RECOMMENDATION_ORDER` whose peak bytes fit ``budget`` at ``world_size``,
+    with the figures that rule out the simpler ones."""
+    candidates = [r for r in rows if r.world_size == world_size]
+    candidates.sort(key=lambda r: RECOMMENDATION_ORDER.index(r.strategy))
+    if not candidates:
+        return Recommendation(world_size, None, "no strategy was estimated at this world size")
+    limit = format_bytes(budget)
+    fits = [r for r in candidates if r.peak_bytes <= budget]
+    too_big = candidates[: candidates.index(fits[0])] if fits else candidates
+    needs = ", ".join(f"{r.strategy} {format_bytes(r.peak_bytes)}" for r in too_big)
+    if not fits:
+        return Recommendation(
+            world_size,
+            None,
+            f"nothing fits the {limit} budget per rank ({needs}); use more ranks, a lower precision or a"
+            " lighter optimizer",
+        )
+    chosen = fits[0]
+    why = f"{chosen.strategy} needs {format_bytes(chosen.peak_bytes)} per rank <= {limit} budget"
+    if len(too_big) == 1:
+        simplest = too_big[0]
+        why = f"{simplest.strategy} needs {format_bytes(simplest.peak_bytes)} per rank > {limit} budget; {why}"
+        return Recommendation(world_size, chosen.strategy, why)
+    if too_big:
+        return Recommendation(world_size, chosen.strategy, f"{needs} per rank exceed the {limit} budget; {why}")
+    return Recommendation(world_size, chosen.strategy, f"{why}, and it is the simplest")
+
+
+def _check_world_sizes(world_sizes: Sequence[int]) -> list[int]:
+    if isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence) or not world_sizes:
+        raise ValueError(f"`world_sizes` must be a non-empty list of positive ints; got {world_sizes!r}.")
+    for size in world_sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"`world_sizes` must be a non-empty list of positive ints; got {world_sizes!r}.")
+    return list(dict.fromkeys(world_sizes))
+
+
+def _check_strategies(strategies: Sequence[str]) -> list[str]:
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if isinstance(strategies, str) or not strategies or unknown:
+        raise ValueError(f"`strategies` must be a non-empty list from {', '.join(STRATEGIES)}; got {strategies!r}.")
+    return sorted(set(strategies), key=RECOMMENDATION_ORDER.index)
+
+
+def build_on_meta(cls: type[nn.Module], init_args: dict[str, Any]) -> nn.Module:
+    """``cls(**init_args)`` with every tensor on the meta device, ``configure_model()`` included."""
+    if not isinstance(init_args, dict):
+        raise TypeError(f"`init_args` must be a dict of keyword arguments; got {type(init_args).__name__}.")
+    call = f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in init_args.items())})"
+    with torch.device("meta"):
+        try:
+            model = cls(**init_args)
+        except (TypeError, ValueError) as exc:  # an unknown, missing or invalid argument
+            raise ValueError(f"Could not build {call}: {exc}") from exc
+        configure = getattr(model, "configure_model", None)
+        if callable(configure):  # LightningModules may build their layers here
+            configure()
+    return model
