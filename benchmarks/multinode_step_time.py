@@ -26,13 +26,14 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fsdp_strategy.testing import free_port
 
 HERE = Path(__file__).resolve().parent
 STRATEGIES = ("fsdp2", "fsdp2_hybrid")
@@ -121,12 +122,6 @@ def time_one_fit(strategy: str, args: argparse.Namespace) -> dict:
 
 
 # --- the driver --------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_options(args: argparse.Namespace) -> list[str]:

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fsdp_strategy
 from fsdp_strategy import checkpoint as ckpt
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
 
 
 def die_in_save(k: int) -> None:

@@ -18,39 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from integration_tests.models import TinyLM, token_loader
-
-
-class PoisonedLM(TinyLM):
-    """``TinyLM`` whose loss holds inf on ``poison_rank`` at ``poison_step`` (every rank when ``None``).
-
-    The inf enters through one element of the module's own ``scale`` parameter, so only that
-    element's gradient is infinite; sharded over 2 ranks it lies in rank 1's shard alone.
-    """
-
-    def __init__(self, poison_step: int | None, poison_rank: int | None = None, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(**kwargs)
-        self.poison_step, self.poison_rank = poison_step, poison_rank
-
-    def poisoned(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.global_step == self.poison_step and self.poison_rank in (None, self.global_rank):
-            return loss + self.scale[-4] * float("inf")
-        return loss
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.poisoned(super().training_step(batch, batch_idx))
-
-
-class DropGradsAt(L.Callback):
-    """Drops every gradient before the optimizer step at ``step``: a skipped step made without the guard."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
-        if trainer.global_step == self.step:
-            for param in pl_module.parameters():
-                param.grad = None
+from fsdp_strategy.testing.callbacks import DropGradsAt
+from fsdp_strategy.testing.models import PoisonedLM, token_loader
 
 
 def train(run: str, devices: int, poison_step: int, max_steps: int) -> dict:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
 
 
 class Mode(enum.Enum):

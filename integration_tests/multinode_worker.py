@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
-from integration_tests.models import TinyLM, token_dataset
+from fsdp_strategy.testing.models import TinyLM, token_dataset
 from integration_tests.worker import Recorder, padded_share_bytes
 
 SAMPLES, BATCH_SIZE, EPOCHS = 48, 4, 2  # 3 steps per epoch on 4 ranks

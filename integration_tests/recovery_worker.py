@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import fsdp_strategy
 from fsdp_strategy import checkpoint as ckpt
-from integration_tests.models import TinyLM, token_dataset
+from fsdp_strategy.testing.models import TinyLM, token_dataset
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 

@@ -27,15 +27,15 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from integration_tests.faults import Disk
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.callbacks import RecordingIO
+from fsdp_strategy.testing.faults import Disk
+from fsdp_strategy.testing.models import TinyLM, token_loader
 
 
 class Module(TinyLM):
@@ -47,29 +47,6 @@ class Module(TinyLM):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self.loss(batch), sync_dist=True)
-
-
-class RecordingIO(CheckpointIO):
-    """A user's CheckpointIO: ``torch.save`` with an extra key, and a log of every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        self.calls.append(("save", os.path.basename(path), storage_options))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({**checkpoint, "saved_by": "RecordingIO"}, path)
-
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        self.calls.append(("load", os.path.basename(path), weights_only))
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        self.calls.append(("remove", os.path.basename(path)))
-        os.remove(path)
-
-    def teardown(self) -> None:
-        self.calls.append(("teardown",))
 
 
 def make_strategy(run: str) -> Any:

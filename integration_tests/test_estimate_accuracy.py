@@ -31,7 +31,7 @@ import fsdp_strategy  # noqa: F401  registers "fsdp2"
 from fsdp_strategy.estimate import estimate_module
 from fsdp_strategy.state_bytes import model_state_bytes
 from integration_tests.conftest import torchrun
-from integration_tests.models import VOCAB, WIDTH, TinyLM, token_loader
+from fsdp_strategy.testing.models import VOCAB, WIDTH, TinyLM, token_loader
 
 
 class OddLM(TinyLM):

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from fsdp_strategy import verify
-from integration_tests.conftest import _environment, free_port, max_relative_difference, torchrun
+from fsdp_strategy.testing import free_port
+from integration_tests.conftest import _environment, max_relative_difference, torchrun
 
 WORKER = "integration_tests.recovery_worker"
 

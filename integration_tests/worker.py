@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
 from fsdp_strategy.state_bytes import model_state_bytes
-from integration_tests.models import TinyGAN, TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyGAN, TinyLM, token_loader
 
 
 class Recorder(L.Callback):

@@ -7,28 +7,18 @@ on a world of one process.
 from __future__ import annotations
 
 import os
-import socket
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `integration_tests.models` holds the shared tiny models
-    sys.path.insert(0, str(REPO_ROOT))
+from fsdp_strategy.testing import free_port
+
 
 # Environment variables that Lightning's launcher writes into os.environ. A LOCAL_RANK left behind by
 # one in-process Trainer would make the next one believe that its processes were launched externally.
 _LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _refuse_existing_group() -> None:

@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.parallelize import apply_fully_shard, plan_units
 from fsdp_strategy.policy import normalize_policy
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.testing import full
 
 
 def sharded_tinylm(mesh, seed: int) -> TinyLM:
@@ -34,10 +35,6 @@ def train_step(model: TinyLM, optimizer: torch.optim.Optimizer, batch_idx: int =
     optimizer.zero_grad()
     model.loss(batch).backward()
     optimizer.step()
-
-
-def full(tensor):
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

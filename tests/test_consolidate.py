@@ -26,7 +26,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy import checkpoint as ckpt
@@ -34,13 +33,11 @@ from fsdp_strategy import consolidate as consolidate_module
 from fsdp_strategy.cli import main
 from fsdp_strategy.consolidate import consolidate_checkpoint
 from fsdp_strategy import CheckpointError
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.testing import full
 
 # dcp.save(no_dist=True) writes the small hand-made checkpoints below; it warns that it runs without a group.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-def full(tensor: Any) -> Any:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -11,15 +11,11 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.deferred_init import DeferredInitError, DeferredTensor, deferred_init, materialize, records_by_name
+from fsdp_strategy.testing import full
 
 CPU = torch.device("cpu")
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def shard_and_materialize(model: nn.Module, mesh, units: list[nn.Module] = ()) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
 
 
 def trainer(tmp_path, **kwargs) -> L.Trainer:

@@ -23,8 +23,9 @@ from fsdp_strategy.guard import (
     named_optimizer_params,
 )
 from fsdp_strategy.precision import FSDP2MixedPrecision
-from integration_tests.guard_worker import DropGradsAt, PoisonedLM
-from integration_tests.models import token_loader
+from fsdp_strategy.testing.callbacks import DropGradsAt
+from fsdp_strategy.testing.models import PoisonedLM
+from fsdp_strategy.testing.models import token_loader
 
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
 

@@ -42,7 +42,7 @@ from fsdp_strategy.verify import (
     saved_shapes,
     verify_sharded_checkpoint,
 )
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
 
 SHARD = "__0_0.distcp"
 

@@ -21,7 +21,7 @@ from fsdp_strategy.estimate import estimate_module
 from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
 from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.summary import format_summary, summarize
-from integration_tests.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
+from fsdp_strategy.testing.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
 
 
 @pytest.mark.parametrize(

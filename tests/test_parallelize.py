@@ -16,7 +16,8 @@ from fsdp_strategy.parallelize import (
 )
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.precision import FULL_PRECISION_POLICY, mixed_precision_policy
-from integration_tests.models import Block, TinyGAN, TinyLM, token_loader
+from fsdp_strategy.testing.models import Block, TinyGAN, TinyLM, token_loader
+from fsdp_strategy.testing import full
 
 FP32 = MixedPrecisionPolicy()
 BF16 = mixed_precision_policy("bf16-mixed")
@@ -38,10 +39,6 @@ def shard(model: nn.Module, mesh, policy="auto", mp_policy=FP32, keep_norms_fp32
         model, units, mesh, root_mp_policy=mp_policy, offload_policy=OffloadPolicy(), reshard_after_forward=True
     )
     return units
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 # --- plan_units ----------------------------------------------------------------------------------------

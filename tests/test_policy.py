@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fsdp_strategy.policy import ModulePolicy, normalize_policy, select_modules
-from integration_tests.models import Block, TinyLM
+from fsdp_strategy.testing.models import Block, TinyLM
 
 ACCEPTED = (
     '"auto", a list of module class names (e.g. ["Block"]), a set of nn.Module classes, a callable'

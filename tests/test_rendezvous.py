@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fsdp_strategy import rendezvous
 from fsdp_strategy.rendezvous import Member, Membership, PeerLostError
-from tests.conftest import free_port
+from fsdp_strategy.testing import free_port
 
 
 def _member(rank: int, node_rank: int) -> Member:

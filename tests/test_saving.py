@@ -20,19 +20,15 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy, background, saving
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.saving import CheckpointSaveError
-from integration_tests.faults import Disk
-from integration_tests.models import TinyLM, token_loader
-from integration_tests.save_worker import RecordingIO
+from fsdp_strategy.testing.faults import Disk
+from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.testing import full
+from fsdp_strategy.testing.callbacks import RecordingIO
 from tests.test_checkpoint import adamw, sharded_tinylm, train_step
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 # --- naming the failure ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import fsdp_strategy
 from fsdp_strategy import CheckpointError
 from fsdp_strategy._compat import weights_only_of_trainer_call
-from integration_tests.models import TinyLM, token_loader
+from fsdp_strategy.testing.models import TinyLM, token_loader
 
 
 class Mode(enum.Enum):

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.checkpoint import is_sharded_checkpoint
-from integration_tests.models import VOCAB, WIDTH, Block, TinyLM, token_loader
+from fsdp_strategy.testing.models import VOCAB, WIDTH, Block, TinyLM, token_loader
+from fsdp_strategy.testing import full
 
 
 def trainer(tmp_path, **kwargs) -> L.Trainer:
@@ -37,10 +38,6 @@ def trainer(tmp_path, **kwargs) -> L.Trainer:
 
 def loader():
     return token_loader(batch_size=4, samples=16)
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def assert_sharded_and_finite(module: nn.Module) -> None:

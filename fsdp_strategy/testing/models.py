@@ -1,4 +1,4 @@
-"""Tiny deterministic LightningModules shared by the integration runs (and the unit tests)."""
+"""Tiny deterministic LightningModules shared by the unit tests, the integration runs and the examples of this project."""
 
 from __future__ import annotations
 
@@ -135,3 +135,23 @@ class TinyGAN(LightningModule):
             torch.optim.Adam(self.generator.parameters(), lr=1e-2),
             torch.optim.Adam([*self.discriminator.parameters(), self.temperature], lr=1e-2),
         ]
+
+
+class PoisonedLM(TinyLM):
+    """``TinyLM`` whose loss holds inf on ``poison_rank`` at ``poison_step`` (every rank when ``None``).
+
+    The inf enters through one element of the module's own ``scale`` parameter, so only that
+    element's gradient is infinite; sharded over 2 ranks it lies in rank 1's shard alone.
+    """
+
+    def __init__(self, poison_step: int | None, poison_rank: int | None = None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.poison_step, self.poison_rank = poison_step, poison_rank
+
+    def poisoned(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.global_step == self.poison_step and self.poison_rank in (None, self.global_rank):
+            return loss + self.scale[-4] * float("inf")
+        return loss
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.poisoned(super().training_step(batch, batch_idx))
