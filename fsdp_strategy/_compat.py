@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 __all__ = [
+    "ScriptLauncher",
+    "sync_ddp",
     "disabled_torch_function_impl",
     "forget_composable_state",
     "get_layout",
@@ -93,3 +95,14 @@ def weights_only_of_trainer_call() -> bool | None:
         return None
     finally:
         del frame  # frames hold their locals alive
+
+
+# Lightning's launcher that starts the other local ranks by re-running the script (what "ddp" uses; torch >= 1.x,
+# Lightning >= 2.0). No public class launches processes for a custom ParallelStrategy.
+from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
+    _SubprocessScriptLauncher as ScriptLauncher,
+)
+
+# `Strategy.reduce` must reduce exactly as DDPStrategy.reduce does ("mean" and the other string ops, groups);
+# Lightning implements that in this helper (Lightning >= 2.0), which DDPStrategy itself calls.
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp  # noqa: E402

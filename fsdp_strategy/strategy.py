@@ -15,15 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _destroy_dist_connection,
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -39,7 +32,7 @@ from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import background, rendezvous, saving, unused, verify
-from fsdp_strategy._compat import weights_only_of_trainer_call
+from fsdp_strategy._compat import ScriptLauncher, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.checks import check_positive_int
@@ -332,14 +325,14 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.mesh_shape()  # fail on a mesh that cannot fit before any process starts
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         self._peer_lost = False
@@ -375,7 +368,7 @@ class FSDP2Strategy(ParallelStrategy):
     def _destroy_process_group_at_exit(self) -> None:
         # torch warns about NCCL groups left at exit; with a peer gone, destroying one could block instead.
         if not self._peer_lost:
-            _destroy_dist_connection()
+            _destroy_process_group()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -724,7 +717,7 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -737,7 +730,7 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.model is not None
         return ckpt.optimizer_state(self.model, optimizer, full=self.checkpoint_format == "full")
 
@@ -750,7 +743,7 @@ class FSDP2Strategy(ParallelStrategy):
         pass  # load_checkpoint() already restored the sharded optimizers
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
         """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
         crash or a failed write leaves the previous checkpoints intact; a failure on any rank raises
         :class:`~fsdp_strategy.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
@@ -790,7 +783,7 @@ class FSDP2Strategy(ParallelStrategy):
         return self.checkpoint_format == "sharded"
 
     def _plain_optimizers(self) -> list[Optimizer]:
-        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def _gloo_group(self) -> Any:
         # For small records read on the host (unused parameters): a gloo group keeps them off the GPU streams.
@@ -808,7 +801,7 @@ class FSDP2Strategy(ParallelStrategy):
         return self._async_group
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
@@ -834,7 +827,7 @@ class FSDP2Strategy(ParallelStrategy):
         return checkpoint
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         if self.is_global_zero:
             # Not before the save in the background that replaces it is in place.
             self._saves.defer_removal(filepath, saving.remover(self.checkpoint_io))
@@ -931,6 +924,15 @@ def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:
 
 def _is_sharded(model: nn.Module) -> bool:
     return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def _distributed_is_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _destroy_process_group() -> None:
+    if _distributed_is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _check_bool(option: str, value: Any) -> None:
