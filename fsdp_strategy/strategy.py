@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -22,10 +21,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -35,9 +34,9 @@ from fsdp_strategy import background, rendezvous, saving, unused, verify
 from fsdp_strategy._compat import ScriptLauncher, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
-from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
+from fsdp_strategy.options import check_options
 from fsdp_strategy.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -47,7 +46,7 @@ from fsdp_strategy.parallelize import (
 )
 from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
 from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, unshard
-from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy, select_modules
+from fsdp_strategy.policy import PolicyInput, class_name, select_modules
 from fsdp_strategy.precision import (
     SUPPORTED_PRECISIONS,
     FSDP2HalfPrecision,
@@ -65,7 +64,6 @@ __all__ = ["FSDP2Strategy", "ShardingPlan"]
 
 _log = logging.getLogger(__name__)
 
-_STATE_DICT_TYPES = ("auto", "sharded", "full")
 _OUR_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
 
 
@@ -150,71 +148,47 @@ class FSDP2Strategy(ParallelStrategy):
         nonfinite_grads: str = "ignore",
     ) -> None:
         super().__init__()
-        self._wrap_policy = normalize_policy(wrap_policy, option="wrap_policy")
-        self._ac_policy = normalize_policy(activation_checkpointing_policy, option="activation_checkpointing_policy")
-        for option, value in (
-            ("hybrid", hybrid),
-            ("cpu_offload", cpu_offload),
-            ("sync_grads_each_micro_batch", sync_grads_each_micro_batch),
-            ("meta_init", meta_init),
-            ("async_save", async_save),
-        ):
-            _check_bool(option, value)
-        if not isinstance(compile_blocks, (bool, str)):
-            raise TypeError(
-                f"`compile_blocks` must be a bool or the name of a torch.compile backend; got {compile_blocks!r}"
-                f" of type {type(compile_blocks).__name__}."
-            )
-        if compile_blocks == "":
-            raise ValueError("`compile_blocks` must be a bool or the name of a torch.compile backend; got ''.")
-        if not isinstance(reshard_after_forward, bool):
-            check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
-        for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
-            if size is not None:
-                check_positive_int(option, size, accepted="a positive int or None")
-        if cpu_offload and not torch.cuda.is_available():
-            raise ValueError(
-                "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
-                " GPU and host memory, and no CUDA device is available here. Use `cpu_offload=False`."
-            )
-        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(
-                f"`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got {mp_policy!r}"
-                f" of type {type(mp_policy).__name__}."
-            )
-        if state_dict_type not in _STATE_DICT_TYPES:
-            raise ValueError(f"`state_dict_type` must be one of {_STATE_DICT_TYPES}; got {state_dict_type!r}.")
-        if process_group_backend is not None and not isinstance(process_group_backend, str):
-            raise TypeError(
-                f"`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got"
-                f" {process_group_backend!r} of type {type(process_group_backend).__name__}."
-            )
-        if init_weights is not None:
-            if not isinstance(init_weights, (str, Path)):
-                raise TypeError(f"`init_weights` must be a file path (str) or None; got {init_weights!r}.")
-            if not Path(init_weights).is_file():
-                raise ValueError(f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file.")
-        self._init_weights = None if init_weights is None else Path(init_weights)
-        self._timeout = _as_timedelta(timeout)
+        options = check_options(
+            wrap_policy=wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            reshard_after_forward=reshard_after_forward,
+            hybrid=hybrid,
+            replicate_size=replicate_size,
+            shard_size=shard_size,
+            cpu_offload=cpu_offload,
+            mp_policy=mp_policy,
+            sync_grads_each_micro_batch=sync_grads_each_micro_batch,
+            compile_blocks=compile_blocks,
+            meta_init=meta_init,
+            state_dict_type=state_dict_type,
+            async_save=async_save,
+            init_weights=init_weights,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._wrap_policy = options.wrap_policy
+        self._ac_policy = options.activation_checkpointing_policy
+        self._init_weights = options.init_weights
+        self._timeout = options.timeout
         self._nonfinite_guard = NonFiniteGuard(nonfinite_grads)
-        self._reshard_after_forward = reshard_after_forward
-        self._hybrid = hybrid or (replicate_size or 1) > 1
-        self._replicate_size = replicate_size
-        self._shard_size = shard_size
-        self._offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-        self._explicit_mp_policy = mp_policy
-        self._sync_grads_each_micro_batch = sync_grads_each_micro_batch
-        self._compile_blocks = compile_blocks
-        self._meta_init = meta_init
+        self._reshard_after_forward = options.reshard_after_forward
+        self._hybrid = options.hybrid
+        self._replicate_size = options.replicate_size
+        self._shard_size = options.shard_size
+        self._offload_policy = options.offload_policy
+        self._explicit_mp_policy = options.mp_policy
+        self._sync_grads_each_micro_batch = options.sync_grads_each_micro_batch
+        self._compile_blocks = options.compile_blocks
+        self._meta_init = options.meta_init
         self._state_dict_type = state_dict_type
         self._checkpoint_format: str | None = None  # "sharded" or "full": state_dict_type, with "auto" decided in setup()
         self._before_sharding: ShardingSnapshot | None = None
         self._stages_ended = 0  # names each stage's ending in the rendezvous store
         self._load_hooks: list[Any] = []
-        self._async_save = async_save
+        self._async_save = options.async_save
         self._saves = background.BackgroundSave()
         self._async_group: Any = None
-        self._process_group_backend = process_group_backend
+        self._process_group_backend = options.process_group_backend
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
         self._in_no_sync = False
@@ -933,24 +907,3 @@ def _distributed_is_initialized() -> bool:
 def _destroy_process_group() -> None:
     if _distributed_is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _check_bool(option: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
-
-
-def _as_timedelta(timeout: Any) -> timedelta:
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"`timeout` must be a number of seconds or a datetime.timedelta; got {timeout!r} of type"
-            f" {type(timeout).__name__}."
-        )
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"`timeout` must be a positive, finite number of seconds; got {seconds}.")
-    return timedelta(seconds=seconds)
-
