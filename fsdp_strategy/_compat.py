@@ -15,6 +15,7 @@ __all__ = [
     "disabled_torch_function_impl",
     "forget_composable_state",
     "make_wrapper_subclass",
+    "op_arguments",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -45,6 +46,15 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, device: torch.device
         device=device,
         requires_grad=False,
     )
+
+
+def op_arguments(op: Any) -> list[Any]:
+    """The arguments of an aten op's schema, with their names, ``is_out`` and ``alias_info.is_write``.
+
+    ``OpOverload._schema`` is how torch's own tensor subclasses and FakeTensor find which arguments an op
+    writes (torch >= 1.12); there is no public accessor.
+    """
+    return op._schema.arguments
 
 
 def forget_composable_state(module: nn.Module) -> None:
