@@ -51,7 +51,6 @@ from fsdp_strategy.deferred_replay import (
     _Write,
     has_meta_tensors,
     materialize,
-    records_by_name,
 )
 from fsdp_strategy.policy import class_name
 
@@ -290,6 +289,17 @@ def deferred_init(device: torch.device) -> Iterator[None]:
             handle.remove()
         deferred.clear()
         _to_meta([m for ref in owners if (m := ref()) is not None])
+
+
+def records_by_name(model: nn.Module) -> dict[str, _Record]:
+    """The records of ``model``'s deferred parameters, by name, taken before ``fully_shard`` replaces them."""
+    _to_meta([model])  # deferred parameters the context did not reach: a deep copy kept outside any module
+    # Taken off the parameters: a record holds the tensors its writes copy from (a loaded state dict).
+    return {
+        name: record
+        for name, param in model.named_parameters()
+        if (record := param.__dict__.pop(RECORD_ATTRIBUTE, None)) is not None
+    }
 
 
 def _to_meta(roots: list[nn.Module]) -> None:

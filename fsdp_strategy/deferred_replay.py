@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_strategy._compat import op_arguments, tree_unflatten
 from fsdp_strategy.policy import class_name
 
-__all__ = ["DeferredInitError", "has_meta_tensors", "materialize", "records_by_name"]
+__all__ = ["DeferredInitError", "has_meta_tensors", "materialize"]
 
 aten = torch.ops.aten
 
@@ -204,16 +204,6 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def records_by_name(model: nn.Module) -> dict[str, _Record]:
-    """The records of ``model``'s deferred parameters, by name, taken before ``fully_shard`` replaces them."""
-    # Taken off the parameters: a record holds the tensors its writes copy from (a loaded state dict).
-    return {
-        name: record
-        for name, param in model.named_parameters()
-        if (record := param.__dict__.pop(RECORD_ATTRIBUTE, None)) is not None
-    }
-
-
 def materialize(model: nn.Module, device: torch.device, records: dict[str, _Record]) -> None:
     """Allocates ``model``'s meta tensors on ``device`` (each rank only its shards) and fills them:
     recorded parameters by replaying their writes, the others with their modules' ``reset_parameters()``.
@@ -259,12 +249,14 @@ def _local(tensor: Tensor) -> Tensor:
 
 def _refuse_what_cannot_be_initialized(model: nn.Module, records: dict[str, _Record]) -> None:
     problems = [f"buffer '{name}'" for name, buffer in model.named_buffers() if buffer.is_meta]
+    seen: set[int] = set()  # a tied parameter under its first name, as named_parameters() gives it
     for module_name, module in model.named_modules():
-        unrecorded = [
-            f"{module_name}.{name}" if module_name else name
-            for name, param in module.named_parameters(recurse=False)
-            if param.is_meta and (f"{module_name}.{name}" if module_name else name) not in records
-        ]
+        unrecorded = []
+        for name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{name}" if module_name else name
+            if id(param) not in seen and param.is_meta and name not in records:
+                unrecorded.append(name)
+            seen.add(id(param))
         if unrecorded and not callable(getattr(module, "reset_parameters", None)):
             problems.append(f"parameters {', '.join(repr(n) for n in unrecorded)} ({class_name(module)}, no reset_parameters())")
     if problems:
