@@ -16,6 +16,7 @@ __all__ = [
     "forget_composable_state",
     "make_wrapper_subclass",
     "op_arguments",
+    "tensor_version",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -55,6 +56,16 @@ def op_arguments(op: Any) -> list[Any]:
     writes (torch >= 1.12); there is no public accessor.
     """
     return op._schema.arguments
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many in-place writes ``tensor``'s memory has seen.
+
+    ``Tensor._version`` is the counter autograd uses to refuse modified saved tensors (torch >= 0.4);
+    there is no public accessor. The strategy uses it the same way: a tensor a deferred parameter copies
+    from must not change before the copy is replayed.
+    """
+    return tensor._version
 
 
 def forget_composable_state(module: nn.Module) -> None:

@@ -258,9 +258,10 @@ def deferred_init(device: torch.device) -> Iterator[None]:
     ready for ``fully_shard`` and :func:`materialize`. Buffers stay as they were computed.
     """
     owners: list[weakref.ref[nn.Module]] = []
-    # Each parameter object deferred so far (held, so that its id stays its own): one object assigned to
-    # two modules stays one parameter, tied, as eagerly.
-    deferred: dict[int, tuple[nn.Parameter, Tensor]] = {}
+    # The deferred parameter made for each parameter object, so that one object assigned to two modules
+    # stays one parameter, tied, as eagerly. Weak: the object a parameter was created as must not keep its
+    # memory; an id is only trusted while the object it was taken from is alive.
+    made: dict[int, tuple[weakref.ref[Tensor], weakref.ref[Tensor]]] = {}
 
     def defer(module: nn.Module, name: str, param: Tensor | None) -> Tensor | None:
         owners.append(weakref.ref(module))
@@ -272,10 +273,12 @@ def deferred_init(device: torch.device) -> Iterator[None]:
         # A subclass of Parameter (a lazy or quantized one) keeps its own way of being built.
         if param is None or param.is_meta or type(param) is not nn.Parameter:
             return None
-        if id(param) not in deferred:
-            made = _deferred_from(param.detach(), f"{class_name(module)}.{name}")
-            deferred[id(param)] = (param, nn.Parameter(made, requires_grad=param.requires_grad))
-        return deferred[id(param)][1]
+        original, deferred = made.get(id(param), (lambda: None, lambda: None))
+        if original() is param and deferred() is not None:
+            return deferred()
+        deferred_param = nn.Parameter(_deferred_from(param.detach(), f"{class_name(module)}.{name}"), requires_grad=param.requires_grad)
+        made[id(param)] = (weakref.ref(param), weakref.ref(deferred_param))
+        return deferred_param
 
     def track(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
         owners.append(weakref.ref(module))  # a deep copy's parameters are found through the module it joins
@@ -287,7 +290,7 @@ def deferred_init(device: torch.device) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        deferred.clear()
+        made.clear()
         _to_meta([m for ref in owners if (m := ref()) is not None])
 
 

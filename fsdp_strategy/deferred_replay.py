@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_strategy._compat import op_arguments, tree_unflatten
+from fsdp_strategy._compat import op_arguments, tensor_version, tree_unflatten
 from fsdp_strategy.policy import class_name
 
 __all__ = ["DeferredInitError", "has_meta_tensors", "materialize"]
@@ -45,7 +45,7 @@ aten = torch.ops.aten
 # before irrelevant.
 _OVERWRITES = {
     aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
-    aten.copy_.default, aten.bernoulli_.float, aten.exponential_.default, aten.geometric_.default,
+    aten.copy_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.exponential_.default, aten.geometric_.default,
     aten.log_normal_.default, aten.cauchy_.default, aten.random_.default, getattr(aten.random_, "from"),
     aten.random_.to,
 }  # fmt: skip
@@ -72,6 +72,10 @@ class _Write:
     leaves: list[Any]
     spec: Any
     key: int = field(default_factory=lambda: next(_creation_order))
+    versions: list[int | None] = field(init=False)  # of the tensor operands, which must not change until replayed
+
+    def __post_init__(self) -> None:
+        self.versions = [tensor_version(leaf) if isinstance(leaf, Tensor) else None for leaf in self.leaves]
 
     @property
     def random(self) -> bool:
@@ -86,9 +90,15 @@ class _Write:
     def tensor_operands(self) -> bool:
         return any(isinstance(leaf, Tensor) and leaf.dim() > 0 for leaf in self.leaves)
 
-    def apply(self, view: Tensor, seed: int | None, shard: int = 0) -> None:
+    def apply(self, view: Tensor, seed: int | None, owner: str, shard: int = 0) -> None:
         """``seed``: rank 0's seed, to draw random values from this write's own generator; ``None`` during
         construction, where the write draws as it was called (the global generator, or the user's)."""
+        if any(v is not None and tensor_version(leaf) != v for leaf, v in zip(self.leaves, self.versions)):
+            raise DeferredInitError(
+                f"A tensor that `{self.op}` wrote into {owner} during construction was modified in place afterwards,"
+                " so the values it gave are gone. Write from a tensor that is not changed later (`.clone()` it),"
+                " or build this module eagerly."
+            )
         leaves = [view if i == self.target else leaf for i, leaf in enumerate(self.leaves)]
         args, kwargs = tree_unflatten(leaves, self.spec)
         if seed is not None and self.random:
@@ -177,7 +187,7 @@ class _Record:
         elif self.initial is not None:
             full.copy_(self.initial)
         for write in self.writes:
-            write.apply(full.as_strided(write.size, write.stride, write.offset), seed)
+            write.apply(full.as_strided(write.size, write.stride, write.offset), seed, self.owner)
         return full
 
     def replay_rows(self, out: Tensor, start: int, end: int, seed: int) -> Tensor:
@@ -188,7 +198,7 @@ class _Record:
             first, last, single = self.rows_written(write)  # type: ignore[misc]
             low, high = max(first, start), min(last, end)
             if low < high:
-                write.apply(out[low - start] if single else out[low - start : high - start], seed, shard=low + 1)
+                write.apply(out[low - start] if single else out[low - start : high - start], seed, self.owner, low + 1)
         return out
 
 

@@ -326,3 +326,31 @@ def test_new_tensors_made_from_a_deferred_one_need_no_memory_of_its_size():
             made = layer.weight.new_zeros(1)
     assert torch.equal(made, torch.zeros(1))
     assert sum(max(event.cpu_memory_usage, 0) for event in profiler.events()) < 1024
+
+
+
+
+def test_the_memory_a_parameter_was_created_with_is_freed_once_its_init_overwrites_it():
+    with deferred_init(CPU):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            layers = [nn.Linear(512, 512) for _ in range(4)]  # torch.empty, then reset_parameters(): 1 MiB each
+    assert len(layers) == 4
+    assert sum(event.cpu_memory_usage for event in profiler.events()) < 512 * 512 * 4
+
+class FromScratch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.empty(3)), nn.Parameter(torch.empty(3))
+        scratch = torch.empty(3)
+        with torch.no_grad():
+            for param, value in ((self.first, 1.0), (self.second, 2.0)):
+                scratch.fill_(value)  # eagerly `first` keeps 1.0; its record only holds `scratch`
+                param.copy_(scratch)
+
+
+def test_a_tensor_modified_after_a_parameter_copied_from_it_is_an_error_not_other_values(mesh):
+    with deferred_init(CPU):
+        model = FromScratch()
+    message = "A tensor that `aten.copy_.default` wrote into FromScratch.first during construction was modified in place"
+    with pytest.raises(DeferredInitError, match=re.escape(message)):
+        shard_and_materialize(model, mesh)
