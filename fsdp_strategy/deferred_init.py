@@ -276,7 +276,9 @@ def deferred_init(device: torch.device) -> Iterator[None]:
         original, deferred = made.get(id(param), (lambda: None, lambda: None))
         if original() is param and deferred() is not None:
             return deferred()
-        deferred_param = nn.Parameter(_deferred_from(param.detach(), f"{class_name(module)}.{name}"), requires_grad=param.requires_grad)
+        deferred_param = nn.Parameter(
+            _deferred_from(param.detach(), f"{class_name(module)}.{name}"), requires_grad=param.requires_grad
+        )
         made[id(param)] = (weakref.ref(param), weakref.ref(deferred_param))
         return deferred_param
 

@@ -13,10 +13,10 @@ writes made to it, in order. :func:`materialize` replays them after ``fully_shar
   and broadcast from rank 0, as DDP starts every rank from rank 0's module.
 
 Every random write draws from a generator of its own, seeded from rank 0's seed, the write's creation
-order and the shard's first row: shards differ from each other, replicas (hybrid sharding) agree, and a
-deep copy of a parameter (``nn.TransformerEncoder`` copies its layer) replays to the same values as its
-source, as an eager deep copy holds them. A ``generator=`` the user passed to a random write is
-replaced by the write's own generator: the distribution is the user's, the stream is not.
+order and the first row it writes on the shard: shards differ from each other, replicas (hybrid
+sharding) agree, and a deep copy of a parameter (``nn.TransformerEncoder`` copies its layer) replays to
+the same values as its source, as an eager deep copy holds them. A ``generator=`` the user passed to a
+random write is replaced by the write's own generator: the distribution is the user's, the stream is not.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ class _Record:
 
     def is_whole(self, view: Tensor) -> bool:
         shadow = self.shadow
-        return view.shape == shadow.shape and view.stride() == shadow.stride() and view.storage_offset() == shadow.storage_offset()
+        geometry = (view.shape, view.stride(), view.storage_offset())
+        return geometry == (shadow.shape, shadow.stride(), shadow.storage_offset())
 
     def start_over(self) -> None:
         """Called before a write that overwrites the whole parameter: what came before no longer matters."""
@@ -193,7 +194,8 @@ class _Record:
     def replay_rows(self, out: Tensor, start: int, end: int, seed: int) -> Tensor:
         """Writes rows ``start:end`` of the parameter into ``out`` (only when :meth:`by_rows`)."""
         if self.base is not None:
-            out.copy_(self.base.replay_rows(torch.empty(out.shape, dtype=self.base.shadow.dtype, device=out.device), start, end, seed))
+            base = torch.empty(out.shape, dtype=self.base.shadow.dtype, device=out.device)
+            out.copy_(self.base.replay_rows(base, start, end, seed))
         for write in self.writes:
             first, last, single = self.rows_written(write)  # type: ignore[misc]
             low, high = max(first, start), min(last, end)
@@ -221,7 +223,8 @@ def materialize(model: nn.Module, device: torch.device, records: dict[str, _Reco
 
     Raises:
         DeferredInitError: before anything is allocated, for meta buffers (their values are lost) and for
-            unrecorded meta parameters whose module has no ``reset_parameters()``.
+            unrecorded meta parameters whose module has no ``reset_parameters()``; during the replay, for a
+            tensor that a parameter copied from and that was modified afterwards.
     """
     if not has_meta_tensors(model):
         return
@@ -231,7 +234,7 @@ def materialize(model: nn.Module, device: torch.device, records: dict[str, _Reco
         kept = {name: _local(t) for name, t in _named_tensors(model) if not t.is_meta}
         meta_names = {name for name, param in model.named_parameters() if param.is_meta}  # a tied one once
         model.to_empty(device=device)
-        via = next(iter(records.values())).device if records else device
+        via = next((record.device for record in records.values()), device)  # where the model was built
         seed, broadcast = _plan(records, via)
         reset: set[int] = set()
         for module_name, module in model.named_modules():
@@ -282,6 +285,8 @@ def _refuse_what_cannot_be_initialized(model: nn.Module, records: dict[str, _Rec
 def _plan(records: dict[str, _Record], via: torch.device) -> tuple[int, set[str]]:
     """Rank 0's seed, and the records to build in full and broadcast: those that need it on any rank,
     and those that ranks recorded differently. One collective, so that every rank decides the same."""
+    if not records:  # a model the user put on the meta device: nothing to agree on
+        return 0, set()
     names = sorted(records)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     values = [torch.initial_seed() % 2**62 if rank == 0 else 0]
