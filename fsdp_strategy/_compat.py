@@ -20,6 +20,8 @@ __all__ = [
     "forget_composable_state",
     "get_layout",
     "make_wrapper_subclass",
+    "op_arguments",
+    "tensor_version",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -51,6 +53,25 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, device: torch.device
         device=device,
         requires_grad=False,
     )
+
+
+def op_arguments(op: Any) -> list[Any]:
+    """The arguments of an aten op's schema, with their names, ``is_out`` and ``alias_info.is_write``.
+
+    ``OpOverload._schema`` is how torch's own tensor subclasses and FakeTensor find which arguments an op
+    writes (torch >= 1.12); there is no public accessor.
+    """
+    return op._schema.arguments
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many in-place writes ``tensor``'s memory has seen.
+
+    ``Tensor._version`` is the counter autograd uses to refuse modified saved tensors (torch >= 0.4);
+    there is no public accessor. The strategy uses it the same way: a tensor a deferred parameter copies
+    from must not change before the copy is replayed.
+    """
+    return tensor._version
 
 
 def forget_composable_state(module: nn.Module) -> None:

@@ -1,9 +1,11 @@
 """Deferred construction (``init_module(empty_init=True)``, ``meta_init=True``) on a real 1-rank group: buffers
 exactly as an eager build computes them, parameters initialized with the eager build's own scheme, and an
-error before training where that cannot be done. Shards on several ranks: integration_tests/test_dropin.py."""
+error before training where that cannot be done. Shards on several ranks (rows split unevenly, broadcasts,
+hybrid meshes): integration_tests/test_deferred.py."""
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.profiler import ProfilerActivity, profile
 
 from fsdp_strategy.deferred_init import DeferredInitError, DeferredTensor, deferred_init, materialize, records_by_name
 from fsdp_strategy.testing import full
@@ -203,3 +206,147 @@ def test_a_meta_buffer_is_an_error_before_anything_is_allocated(mesh):
         norm = nn.BatchNorm1d(4)
     with pytest.raises(DeferredInitError, match=re.escape("buffer 'running_mean'")):
         shard_and_materialize(norm, mesh)
+
+
+def test_tensors_built_eagerly_next_to_deferred_ones_keep_their_values(mesh):
+    with deferred_init(CPU):
+        model = nn.Sequential(nn.Linear(4, 4))
+    head = nn.Linear(4, 3)  # built for real afterwards (a pretrained head added in configure_model)
+    with torch.no_grad():
+        head.weight.copy_(torch.arange(12.0).reshape(3, 4))
+        head.bias.fill_(3.0)
+    head.register_buffer("stat", torch.full((3,), 7.0))
+    model.append(head)
+    shard_and_materialize(model, mesh)
+    assert torch.equal(full(model[1].weight), torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(full(model[1].bias), torch.full((3,), 3.0))
+    assert torch.equal(model[1].stat, torch.full((3,), 7.0))
+    assert full(model[0].weight).abs().max() <= 0.5  # Linear(4, 4)'s own init: U(-1/2, 1/2)
+
+
+REF = torch.arange(40.0).reshape(8, 5)
+
+
+def build_ops(holder: nn.Module) -> None:
+    """Writes that are not row by row, ops with ``out=``, a CPU index, ``t_()``, ``.data =`` and conversions."""
+    holder.cumsum = nn.Parameter(torch.zeros(8, 5))
+    holder.renorm = nn.Parameter(torch.zeros(8, 5))
+    holder.addmm = nn.Parameter(torch.zeros(8, 5))
+    holder.indexed = nn.Parameter(torch.zeros(8, 5))
+    holder.out = nn.Parameter(torch.zeros(8, 5))
+    holder.column = nn.Parameter(torch.empty(1, 5))
+    holder.assigned = nn.Parameter(torch.empty(8, 5))
+    holder.halved = nn.Linear(5, 2)
+    with torch.no_grad():
+        holder.cumsum.copy_(REF).cumsum_(0)
+        holder.renorm.copy_(REF).renorm_(2, 1, 1.0)
+        holder.addmm.copy_(REF).addmm_(REF[:, :3], torch.ones(3, 5))
+        holder.indexed.copy_(REF)
+        holder.indexed[[1, 6]] = -1.0
+        holder.indexed.index_fill_(0, torch.tensor([3]), 9.0)
+        torch.add(REF, 1.0, out=holder.out)
+        holder.column.copy_(torch.arange(5.0).reshape(1, 5))
+        holder.column.t_()
+        holder.column.mul_(2)
+        holder.assigned.data = REF * 3
+        holder.halved.weight.copy_(REF[:2])
+        holder.halved.bias.fill_(0.1)
+    holder.halved.half()
+    with torch.no_grad():
+        holder.halved.weight.mul_(0.3)
+
+
+def test_writes_that_are_not_row_by_row_out_ops_data_assignment_and_conversions_give_the_eager_values(mesh):
+    eager = nn.Module()
+    build_ops(eager)
+    with deferred_init(CPU):
+        model = nn.Module()
+        build_ops(model)
+    assert model.column.shape == (5, 1) and model.halved.weight.dtype == torch.float16
+    shard_and_materialize(model, mesh)
+    for name, reference in eager.named_parameters():
+        values = full(dict(model.named_parameters())[name])
+        assert values.dtype == reference.dtype and torch.equal(values, reference), name
+
+
+class SharedObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Parameter(torch.randn(6, 4))
+        self.encoder, self.decoder = nn.Module(), nn.Module()
+        self.encoder.weight = shared  # tied by assigning one Parameter object to two modules
+        self.decoder.weight = shared
+
+
+def test_one_parameter_object_assigned_to_two_modules_stays_one_parameter(mesh):
+    torch.manual_seed(0)
+    eager = SharedObject()
+    torch.manual_seed(0)
+    with deferred_init(CPU):
+        model = SharedObject()
+    assert model.encoder.weight is model.decoder.weight and len(list(model.parameters())) == 1
+    shard_and_materialize(model, mesh)
+    assert model.encoder.weight is model.decoder.weight
+    assert torch.equal(full(model.encoder.weight), eager.encoder.weight)
+
+
+def test_deep_copies_replay_to_their_sources_values_and_go_on_on_their_own(mesh):
+    with deferred_init(CPU):
+        # nn.TransformerEncoder deep-copies its layer: eagerly, every layer starts as the same copy.
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False)
+        # nn.Transformer then re-initializes every copy (xavier_uniform_): eagerly, the layers differ.
+        transformer = nn.Transformer(8, 2, 2, 1, 16)
+        source = nn.Linear(4, 4)
+        duplicate = copy.deepcopy(source)
+        with torch.no_grad():
+            duplicate.weight.mul_(2)
+    pair = nn.Sequential(source, duplicate)
+    for model in (encoder, transformer, pair):
+        shard_and_materialize(model, mesh)
+    first, second = (dict(layer.named_parameters()) for layer in encoder.layers)
+    for name, values in first.items():
+        assert torch.equal(full(values), full(second[name])), name
+    assert torch.equal(full(first["self_attn.in_proj_bias"]), torch.zeros(24))  # MultiheadAttention's constant_(0)
+    assert full(first["linear1.weight"]).abs().max() <= 1 / math.sqrt(8)  # Linear's init
+    layers = transformer.encoder.layers
+    assert not torch.allclose(full(layers[0].linear1.weight), full(layers[1].linear1.weight))
+    assert full(layers[0].linear1.weight).std().item() == pytest.approx(math.sqrt(2 / 24), rel=0.25)  # xavier
+    assert torch.equal(full(duplicate.weight), 2 * full(source.weight))
+    assert torch.equal(full(duplicate.bias), full(source.bias))
+
+
+def test_new_tensors_made_from_a_deferred_one_need_no_memory_of_its_size():
+    with deferred_init(CPU):
+        layer = nn.Linear(1024, 1024)  # 4 MiB
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            made = layer.weight.new_zeros(1)
+    assert torch.equal(made, torch.zeros(1))
+    assert sum(max(event.cpu_memory_usage, 0) for event in profiler.events()) < 1024
+
+
+
+
+def test_the_memory_a_parameter_was_created_with_is_freed_once_its_init_overwrites_it():
+    with deferred_init(CPU):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            layers = [nn.Linear(512, 512) for _ in range(4)]  # torch.empty, then reset_parameters(): 1 MiB each
+    assert len(layers) == 4
+    assert sum(event.cpu_memory_usage for event in profiler.events()) < 512 * 512 * 4
+
+class FromScratch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.empty(3)), nn.Parameter(torch.empty(3))
+        scratch = torch.empty(3)
+        with torch.no_grad():
+            for param, value in ((self.first, 1.0), (self.second, 2.0)):
+                scratch.fill_(value)  # eagerly `first` keeps 1.0; its record only holds `scratch`
+                param.copy_(scratch)
+
+
+def test_a_tensor_modified_after_a_parameter_copied_from_it_is_an_error_not_other_values(mesh):
+    with deferred_init(CPU):
+        model = FromScratch()
+    message = "A tensor that `aten.copy_.default` wrote into FromScratch.first during construction was modified in place"
+    with pytest.raises(DeferredInitError, match=re.escape(message)):
+        shard_and_materialize(model, mesh)
