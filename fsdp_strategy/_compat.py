@@ -14,11 +14,14 @@ import torch
 from torch import nn
 
 __all__ = [
+    "FakeTensorMode",
     "ScriptLauncher",
+    "TorchDispatchMode",
     "sync_ddp",
     "disabled_torch_function_impl",
     "forget_composable_state",
     "get_layout",
+    "is_fake",
     "make_wrapper_subclass",
     "op_arguments",
     "tensor_version",
@@ -36,6 +39,21 @@ disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 # subclasses do it (torch >= 2.0). Its public twin torch.utils.pytree exists only from torch 2.5 on and
 # does not cover every version this package supports.
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+
+# A mode that sees every aten op, the outputs' storages included, is how memory is counted tensor by tensor
+# (fsdp_strategy.live_tensors). torch's own FlopCounterMode and MemTracker subclass this class; it has lived in
+# torch.utils._python_dispatch since torch 1.13, with no public spelling.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# Fake tensors carry shapes, dtypes and a device but no memory: the estimator runs a training step on them to
+# see which tensors a real step would hold (fsdp_strategy.estimate_peak). FakeTensorMode is what torch.compile
+# and torch's memory tools use for that; it lives in torch._subclasses (torch >= 2.0), with no public spelling.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+
+
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor, or the class of one."""
+    return issubclass(value, FakeTensor) if isinstance(value, type) else isinstance(value, FakeTensor)
 
 
 def make_wrapper_subclass(cls: type, like: torch.Tensor, *, device: torch.device) -> Any:

@@ -155,10 +155,7 @@ def estimate_module(
         module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches
     )
     mesh, note = _mesh_for(strategy, world_size, processes_per_node)
-    if strategy == "ddp":
-        groups = [_Group(_param_infos(unique_parameters(module), precision, mixed_precision_policy(precision)))]
-    else:
-        groups = _unit_groups(module, precision, wrap_policy)
+    groups = plan_groups(module, strategy=strategy, precision=precision, wrap_policy=wrap_policy)
     return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulate_grad_batches, note)
 
 
@@ -239,6 +236,7 @@ class _ParamInfo:
     compute: int  # bytes per element when gathered
     reduce: int  # bytes per element when reduced
     trainable: bool
+    name: str = ""  # qualified name in the module (a tied parameter's first name)
 
 
 @dataclass(frozen=True)
@@ -247,6 +245,20 @@ class _Group:
 
     params: list[_ParamInfo]
     is_root: bool = False
+    name: str = ""  # the unit's module, qualified ("" for the root and for DDP's single group)
+
+
+def plan_groups(module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto") -> list[_Group]:
+    """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group)."""
+    precision = canonical_precision(precision)
+    if strategy == "ddp":
+        params = unique_parameters(module)
+        return [_Group(_param_infos(params, precision, mixed_precision_policy(precision), _names(module)))]
+    return _unit_groups(module, precision, wrap_policy)
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(param): name for name, param in module.named_parameters()}
 
 
 def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[_Group]:
@@ -265,8 +277,10 @@ def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) ->
         units = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
         policies = {id(unit.module): unit.mp_policy for unit in units}
     owners = _assign_parameters(module, list(policies))
-    root = _Group(_param_infos(owners.pop(id(module), []), precision, low), is_root=True)
-    return [root, *(_Group(_param_infos(params, precision, policies[key])) for key, params in owners.items())]
+    names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
+    root = _Group(_param_infos(owners.pop(id(module), []), precision, low, names), is_root=True)
+    units = (_Group(_param_infos(params, precision, policies[key], names), name=modules[key]) for key, params in owners.items())
+    return [root, *units]
 
 
 def _assign_parameters(module: nn.Module, unit_ids: list[int]) -> dict[int, list[nn.Parameter]]:
@@ -291,7 +305,7 @@ def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _param_infos(
-    params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None
+    params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None, names: dict[int, str]
 ) -> list[_ParamInfo]:
     infos = []
     half = _HALF_DTYPES.get(precision)
@@ -307,6 +321,7 @@ def _param_infos(
                 compute=compute.itemsize,
                 reduce=reduce.itemsize,
                 trainable=param.requires_grad,
+                name=names.get(id(param), ""),
             )
         )
     return infos
