@@ -15,6 +15,7 @@ __all__ = [
     "disabled_torch_function_impl",
     "forget_composable_state",
     "make_wrapper_subclass",
+    "reduce_root_gradients_after",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -58,3 +59,17 @@ def forget_composable_state(module: nn.Module) -> None:
     from torch.distributed import _composable_state
 
     _composable_state._module_state_mapping.pop(module, None)
+
+
+def reduce_root_gradients_after(model: nn.Module, loss: torch.Tensor) -> None:
+    """Makes the backward of ``loss`` reduce-scatter the gradients of the root unit ``model``'s own parameters.
+
+    FSDP2 reduces gradients in a callback that the pre-backward hook of an FSDP forward's output queues.
+    Under manual optimization a loss need not be such an output (a critic trained on detached features,
+    whose layers all belong to the root): nothing queues the callback, and the root's gradients would stay
+    in its unsharded parameters, unreduced. The root's own pre-backward hook (``FSDPState._pre_backward``,
+    torch >= 2.4), registered on the loss, does what the root's forward output would have done; FSDP queues
+    its callback once per backward. No public API exists (torch 2.13).
+    """
+    state = model._get_fsdp_state()  # type: ignore[operator]
+    loss.register_hook(state._pre_backward)

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from fsdp_strategy._compat import reduce_root_gradients_after
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import background, integrity, rendezvous, saving, trainer_call, unit_order, unused
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
@@ -660,6 +661,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._in_manual_step and isinstance(self.model, FSDPModule) and closure_loss.requires_grad:
+            reduce_root_gradients_after(self.model, closure_loss)
         if self._unit_order is not None:
             self._unit_order.before_backward()
         if self._unused is not None:
