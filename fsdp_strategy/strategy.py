@@ -37,9 +37,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fsdp_strategy._compat import reduce_root_gradients_after
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import background, integrity, rendezvous, saving, trainer_call, unit_order, unused
+from fsdp_strategy._compat import reduce_root_gradients_after
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.guard import NonFiniteGuard
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
