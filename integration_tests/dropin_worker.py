@@ -6,6 +6,16 @@
   rank. DDP needs ``ddp_find_unused_parameters_true`` for it.
 * ``branch``: a second task whose head is used only for batches that contain a marker token: a
   data-dependent branch in the LightningModule itself (the FSDP root).
+* ``experts_*``: experts that ``wrap_policy="auto"`` makes units of their own, as the repeated children of a
+  plain ``nn.ModuleList`` on the LightningModule itself (``experts_root``) or in the one MoE layer
+  (``experts_layer``). Every rank routes tokens to every expert in the first two batches; from the third on,
+  expert 2 runs on even ranks only and expert 3 on odd ranks only: each rank runs three experts, their
+  all-gathers pair up without a word, and the strategy must stop with ``UnitMismatchError`` before the
+  third optimizer step (``*_manual``: manual optimization; ``*_validate``: ``trainer.validate``).
+  ``experts_layer_fixed`` trains with the ``wrap_policy`` that error names; ``*_two_steps`` are the DDP
+  references for the parameters at the error.
+* ``gan``: manual optimization with two optimizers and two ``manual_backward`` calls per step, whose
+  critic has a counting branch used for batches with the marker token only (``branch`` data).
 * ``bn``: a CNN with BatchNorm and a running-scale normalizer that reads its buffer in the training
   forward, built with a different random init on each rank (no ``seed_everything``). DDP trains it from
   rank 0's init and broadcasts rank 0's buffers. ``bn_manual``: the same under manual optimization.
@@ -58,16 +68,20 @@ class MoEBlock(nn.Module):
         self.experts = nn.ModuleList(Expert(width) for _ in range(experts))
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x).flatten(0, 1)
-        choice = tokens.flatten() % len(self.experts)
-        weight = self.gate(h).softmax(-1).gather(1, choice[:, None])
-        out = torch.zeros_like(h)
-        for index, expert in enumerate(self.experts):
-            rows = (choice == index).nonzero().flatten()
-            if rows.numel() == 0:
-                continue
-            out = out.index_add(0, rows, (expert(h[rows]) * weight[rows]).to(out.dtype))
-        return x + out.view_as(x)
+        return mixture(x, tokens, self.norm, self.gate, self.experts)
+
+
+def mixture(x: torch.Tensor, tokens: torch.Tensor, norm: nn.Module, gate: nn.Module, experts: nn.ModuleList) -> torch.Tensor:
+    h = norm(x).flatten(0, 1)
+    choice = tokens.flatten() % len(experts)
+    weight = gate(h).softmax(-1).gather(1, choice[:, None])
+    out = torch.zeros_like(h)
+    for index, expert in enumerate(experts):
+        rows = (choice == index).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        out = out.index_add(0, rows, (expert(h[rows]) * weight[rows]).to(out.dtype))
+    return x + out.view_as(x)
 
 
 class TinyMoE(LightningModule):
@@ -152,8 +166,10 @@ def token_loader(scenario: str, *, rank: int, batch_size: int, batches: int) -> 
     """This rank's token batches, in order (the runs pass ``use_distributed_sampler=False``).
 
     ``moe``: a token's id modulo 4 picks its expert. Odd ranks draw all four residues, even ranks never
-    draw expert 2's; expert 3's ids appear only in the first two batches. ``branch``: the marker token
-    appears on odd ranks in batch 0, on even ranks in batch 1, and nowhere after.
+    draw expert 2's; expert 3's ids appear only in the first two batches. ``experts``: every sample holds
+    all four residues in the first two batches; after that 0, 1 and 2 on even ranks, 0, 1 and 3 on odd
+    ones. ``branch``: the marker token appears on odd ranks in batch 0, on even ranks in batch 1, and
+    nowhere after.
     """
     generator = torch.Generator().manual_seed(rank)
     samples = []
@@ -163,6 +179,11 @@ def token_loader(scenario: str, *, rank: int, batch_size: int, batches: int) -> 
             residues = [0, 1] + ([2] if rank % 2 == 1 else []) + ([3] if batch < 2 else [])
             ids = torch.tensor([t for t in range(VOCAB) if t % EXPERTS in residues])
             tokens = ids[torch.randint(0, len(ids), (SEQ + 1,), generator=generator)]
+        elif scenario == "experts":
+            residues = [0, 1, 2, 3] if batch < 2 else [0, 1, 2 + rank % 2]
+            ids = torch.tensor([t for t in range(VOCAB) if t % EXPERTS in residues])
+            tokens = ids[torch.randint(0, len(ids), (SEQ + 1,), generator=generator)]
+            tokens[: len(residues)] = torch.tensor(residues) + EXPERTS  # each residue at least once
         else:
             tokens = torch.randint(0, MARKER, (SEQ + 1,), generator=generator)
             if (batch, rank % 2) in ((0, 1), (1, 0)):
@@ -170,6 +191,101 @@ def token_loader(scenario: str, *, rank: int, batch_size: int, batches: int) -> 
         samples.append(tokens)
     data = torch.stack(samples)
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size, shuffle=False)
+
+
+# --- experts as units of their own -----------------------------------------------------------------
+
+
+class ExpertsLM(LightningModule):
+    """Two blocks, then experts routed by token id: a plain ``nn.ModuleList`` on the LightningModule itself
+    (``layer=False``), or inside one ``MoEBlock`` (``layer=True``); ``wrap_policy="auto"`` makes each expert
+    a unit (the repeated children of a ModuleList), as it makes each block one."""
+
+    def __init__(self, *, layer: bool, manual: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        if layer:
+            self.moe = MoEBlock()
+        else:
+            self.norm = nn.LayerNorm(WIDTH)
+            self.gate = nn.Linear(WIDTH, EXPERTS, bias=False)
+            self.experts = nn.ModuleList(Expert(WIDTH) for _ in range(EXPERTS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.moe(x, tokens) if hasattr(self, "moe") else mixture(x, tokens, self.norm, self.gate, self.experts)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+# --- two optimizers, two backward passes per step ---------------------------------------------------
+
+
+class TwoOptimizerLM(LightningModule):
+    """GAN-shaped manual optimization: the generator's loss goes through the critic (which so gets gradients
+    its optimizer drops with ``zero_grad``); the critic then trains on detached features, with a counting
+    branch for batches that hold the marker token. AdamW's weight decay would move a parameter whose
+    gradient is zeros instead of ``None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.critic = nn.Linear(WIDTH, 1)
+        self.count_hidden = nn.Linear(WIDTH, WIDTH)
+        self.count_out = nn.Linear(WIDTH, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        tokens, targets = batch
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        g_loss = nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten()) - self.critic(x).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        features = x.detach()
+        d_loss = self.critic(features).pow(2).mean()
+        marked = (tokens == MARKER).any(dim=1)
+        if marked.any():
+            count = (tokens[marked] == MARKER).sum(dim=1, keepdim=True).float()
+            predicted = self.count_out(torch.tanh(self.count_hidden(features[marked].mean(dim=1))))
+            d_loss = d_loss + nn.functional.mse_loss(predicted, count)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        critic = [*self.critic.parameters(), *self.count_hidden.parameters(), *self.count_out.parameters()]
+        generator = [*self.embed.parameters(), *self.blocks.parameters(), *self.head.parameters()]
+        return [
+            torch.optim.AdamW(generator, lr=1e-2, weight_decay=0.1),
+            torch.optim.AdamW(critic, lr=1e-2, weight_decay=0.1),
+        ]
 
 
 # --- buffers ---------------------------------------------------------------------------------------
@@ -252,6 +368,15 @@ SCENARIOS: dict[str, dict] = {
     "moe_accumulate": {"model": "moe", "accumulate": 2},
     "moe_sgd_accumulate": {"model": "moe", "optimizer": "sgd", "accumulate": 2},
     "branch": {"model": "branch"},
+    "gan": {"model": "gan"},
+    "experts_root": {"model": "experts_root", "fails": True},
+    "experts_root_manual": {"model": "experts_root", "manual": True, "fails": True},
+    "experts_root_validate": {"model": "experts_root", "validate": True, "fails": True},
+    "experts_layer": {"model": "experts_layer", "fails": True},
+    "experts_layer_fixed": {"model": "experts_layer", "wrap_policy": ["Block", "MoEBlock"]},
+    "experts_root_two_steps": {"model": "experts_root", "max_steps": 2},
+    "experts_root_manual_two_steps": {"model": "experts_root", "manual": True, "max_steps": 2},
+    "experts_layer_two_steps": {"model": "experts_layer", "max_steps": 2},
     "branch_sgd_accumulate": {"model": "branch", "optimizer": "sgd", "accumulate": 2},
     "bn": {"model": "bn"},
     "bn_adamw_accumulate": {"model": "bn", "optimizer": "adamw", "accumulate": 2},
@@ -294,8 +419,21 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: int) -> dict:
     accumulate = scenario.get("accumulate", 1)
+    max_steps = scenario.get("max_steps", max_steps)
     batches = max_steps * accumulate
-    if scenario["model"] == "bn":
+    if "wrap_policy" in scenario:
+        strategy = fsdp_strategy.FSDP2Strategy(wrap_policy=scenario["wrap_policy"], state_dict_type="full")
+    if scenario["model"].startswith("experts"):
+        L.seed_everything(42)
+        model = ExpertsLM(layer=scenario["model"] == "experts_layer", manual=scenario.get("manual", False))
+        loader = token_loader("experts", rank=rank, batch_size=2, batches=batches)
+        val_loader = loader if scenario.get("validate") else None
+    elif scenario["model"] == "gan":
+        L.seed_everything(42)
+        model = TwoOptimizerLM()
+        loader = token_loader("branch", rank=rank, batch_size=2, batches=batches)
+        val_loader = None
+    elif scenario["model"] == "bn":
         torch.manual_seed(1000 + rank)  # no seed_everything: every rank builds its own random init
         model: LightningModule = (ManualCNN if scenario.get("manual") else TinyCNN)(scenario.get("optimizer", "sgd"))
         loader = image_loader(rank=rank, batch_size=4, batches=batches)
@@ -315,7 +453,7 @@ def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: 
         accumulate_grad_batches=accumulate,
         sync_batchnorm=scenario.get("sync_batchnorm", False),
         use_distributed_sampler=False,  # each rank's batches are laid out above
-        limit_val_batches=2 if val_loader is not None else 0,
+        limit_val_batches=(batches if scenario.get("validate") else 2) if val_loader is not None else 0,
         val_check_interval=batches,
         check_val_every_n_epoch=None,
         logger=False,
@@ -324,6 +462,18 @@ def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: 
         enable_model_summary=False,
         callbacks=[recorder, batchnorms],
     )
+    if scenario.get("fails"):
+        try:
+            if scenario.get("validate"):
+                trainer.validate(model, loader, verbose=False)
+            else:
+                trainer.fit(model, loader)
+            error = None
+        except fsdp_strategy.UnitMismatchError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        errors: list = [None] * trainer.world_size
+        dist.all_gather_object(errors, error)
+        return {"errors": errors, "params": _full_params(model), "global_step": trainer.global_step}
     if scenario.get("sync_batchnorm"):
         try:
             trainer.fit(model, loader, val_loader)
