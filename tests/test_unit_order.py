@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_strategy import UnitMismatchError
 from fsdp_strategy.unit_order import UnitOrder, describe_mismatch
 from fsdp_strategy.unused import UnusedParameters
-from integration_tests.dropin_worker import ExpertsLM
+from fsdp_strategy.testing.dropin import ExpertsLM
 
 
 class Routed(nn.Module):
