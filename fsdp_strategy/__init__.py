@@ -17,6 +17,7 @@ from fsdp_strategy.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.rendezvous import PeerLostError
 from fsdp_strategy.saving import CheckpointSaveError
 from fsdp_strategy.strategy import FSDP2Strategy
+from fsdp_strategy.unit_order import UnitMismatchError
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
@@ -28,6 +29,7 @@ __all__ = [
     "PeerLostError",
     "PolicyInput",
     "ShardingMonitor",
+    "UnitMismatchError",
     "__version__",
     "consolidate_checkpoint",
     "estimate",
