@@ -8,7 +8,8 @@ estimator predicts (:mod:`fsdp_strategy.estimate_peak` runs the same mode over f
 of live tensors, without the allocator's caches, fragmentation or heap bookkeeping, which RSS includes.
 
 Tensors created before the mode is entered count once :meth:`LiveTensors.track` is given them (a
-module's parameters and buffers, an optimizer's state). Storages each get a category (``"other"``
+module's parameters and buffers, an optimizer's state); :func:`existing_tensors` finds every one that
+Python holds, FSDP2's freed (zero-size) all-gather outputs included, which grow again during a step. Storages each get a category (``"other"``
 unless told otherwise) so that a caller can tell, say, gradients from activations at any moment.
 
 Not seen: tensors created in other threads (a DataLoader's workers, a background checkpoint writer),
@@ -17,6 +18,7 @@ memory a kernel allocates for itself and frees before it returns, and ops run wi
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -29,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategy._compat import TorchDispatchMode, is_fake, tree_flatten
 
-__all__ = ["LiveTensors"]
+__all__ = ["LiveTensors", "existing_tensors"]
 
 OTHER = "other"
 
@@ -166,6 +168,25 @@ class LiveTensors(TorchDispatchMode):
         if self.on_op is not None:
             self.on_op(self, func)
         return out
+
+
+def existing_tensors() -> list[Tensor]:
+    """Every real (not fake, not meta) tensor the garbage collector knows of: a step's starting point.
+
+    Tensors are tracked by Python's collector, so this finds parameters, gradients, optimizer state,
+    buffers, batches and the storages FSDP2 keeps at size zero between its all-gathers, without naming
+    any of their owners. It walks every Python object once (a fraction of a second in a training process).
+    """
+    found = []
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which some module-level objects warn on.
+        if issubclass(type(obj), Tensor) and not is_fake(obj):
+            try:
+                if obj.device.type != "meta":
+                    found.append(obj)
+            except RuntimeError:  # a tensor whose device cannot be read (an undefined one)
+                continue
+    return found
 
 
 # UntypedStorage.resize_ is a storage method that bypasses dispatch (FSDP2's alloc_storage/free_storage use

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from fsdp_strategy.monitor.batches import BatchCounter
 from fsdp_strategy.monitor.estimator import communication_estimate
 from fsdp_strategy.monitor.flops import BatchFlops, peak_flops_per_device
+from fsdp_strategy.monitor.live import LiveTensorPeak
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_memory, reset_peaks
 from fsdp_strategy.monitor.summary import format_summary, gather_rows, max_over_ranks, summarize
 from fsdp_strategy.monitor.timing import Clock, Point, between
@@ -33,7 +34,7 @@ class ShardingMonitor(Callback):
 
     Works with any strategy; communication figures come from the plan of ``"fsdp2"`` (and its
     variants) and ``"ddp"``. Logged keys (rank 0, every ``Trainer(log_every_n_steps=...)``):
-    ``monitor/peak_rss_mib`` and ``monitor/rss_growth_mib`` (max over ranks), on CUDA
+    ``monitor/peak_rss_mib``, ``monitor/rss_growth_mib`` and ``monitor/live_peak_mib`` (max over ranks), on CUDA
     ``monitor/peak_allocated_mib`` and ``monitor/peak_reserved_mib``, and since the previous log
     ``monitor/samples_per_sec``, ``monitor/tokens_per_sec`` (all ranks), ``monitor/tflops_per_sec``
     (per device) and ``monitor/mfu``.
@@ -49,6 +50,8 @@ class ShardingMonitor(Callback):
         peak_tflops: the device's peak TFLOP/s for MFU; default: Lightning's table of CUDA devices
             for the Trainer's precision (no peak is known for CPUs).
         count_flops: count the FLOPs of the first training batch with ``FlopCounterMode``.
+        live_tensor_steps: count the bytes of live tensors (:mod:`fsdp_strategy.monitor.live`) during this
+            many first optimizer steps and report their peak; 0: do not count.
         print_summary: print the summary table on rank 0 when fit ends.
     """
 
@@ -62,6 +65,7 @@ class ShardingMonitor(Callback):
         peak_tflops: float | None = None,
         count_flops: bool = True,
         print_summary: bool = True,
+        live_tensor_steps: int = 2,
     ) -> None:
         check_positive_int("warmup_steps", warmup_steps, accepted="a positive int")
         for option, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
@@ -86,6 +90,13 @@ class ShardingMonitor(Callback):
                 raise ValueError(
                     f"`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got {peak_tflops!r}."
                 )
+        accepted = "an int >= 0 (0: do not count live tensors)"
+        if isinstance(live_tensor_steps, bool) or not isinstance(live_tensor_steps, int):
+            raise TypeError(
+                f"`live_tensor_steps` must be {accepted}; got {live_tensor_steps!r} of type {type(live_tensor_steps).__name__}."
+            )
+        if live_tensor_steps < 0:
+            raise ValueError(f"`live_tensor_steps` must be {accepted}; got {live_tensor_steps}.")
         for option, value in (("count_flops", count_flops), ("print_summary", print_summary)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
@@ -96,6 +107,7 @@ class ShardingMonitor(Callback):
         self.peak_tflops = None if peak_tflops is None else float(peak_tflops)
         self.count_flops = count_flops
         self.print_summary = print_summary
+        self.live_tensor_steps = live_tensor_steps
         self.summary: dict[str, Any] | None = None
         self._reset()
 
@@ -103,6 +115,7 @@ class ShardingMonitor(Callback):
         self._clock: Clock | None = None
         self._rss_at_start: int | None = None
         self._flops = BatchFlops()
+        self._live = LiveTensorPeak(self.live_tensor_steps)
         self._counts = BatchCounter(
             batch_size_fn=self.batch_size_fn, tokens_fn=self.tokens_fn, tokens_per_sample=self.tokens_per_sample
         )
@@ -140,6 +153,8 @@ class ShardingMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # Modes nest: live tensors are counted outside the FLOP counter, which stops first.
+        self._live.start(trainer.global_step)
         if self.count_flops:
             self._flops.start()  # the first batch only
 
@@ -147,6 +162,7 @@ class ShardingMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._flops.stop()
+        self._live.stop(trainer.global_step)
         self._counts.count(batch)
         if trainer.global_step == self._last_step:
             return  # accumulating gradients: not a step boundary
@@ -175,11 +191,13 @@ class ShardingMonitor(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._flops.stop()
+        self._live.stop()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Every rank reaches this hook and gathers unconditionally: nothing rank-local decides
         # whether the collective runs, so no rank can leave the others waiting in it.
         self._flops.stop()  # in case the epoch ended early, inside the counted batch
+        self._live.stop()  # fewer steps than live_tensor_steps
         self._state_bytes = _nanmax(self._state_bytes, self._measure_state(trainer, pl_module))
         rows = gather_rows(self._row(trainer, self._window_start, self._latest), trainer.strategy.root_device)
         precision = str(trainer.precision)
@@ -225,6 +243,7 @@ class ShardingMonitor(Callback):
     def _row(self, trainer: pl.Trainer, start: Point | None, end: Point | None) -> dict[str, float]:
         return {
             **peak_memory(trainer.strategy.root_device, self._rss_at_start),
+            **self._live.state(),
             "model_state_bytes": self._state_bytes,
             **between(self._clock, start, end, tokens_known=self._counts.tokens_known),
             "flops_per_batch": self._flops.per_batch,
@@ -240,7 +259,7 @@ class ShardingMonitor(Callback):
         summary = summarize(rows, peak_flops=peak)
         metrics = {
             f"monitor/{name}_mib": max_over_ranks(summary["ranks"], f"{name}_bytes")
-            for name in ("peak_rss", "rss_growth", "peak_allocated", "peak_reserved")
+            for name in ("peak_rss", "rss_growth", "live_peak", "peak_allocated", "peak_reserved")
         }
         metrics = {k: v / MiB for k, v in metrics.items() if v is not None}
         for name in ("samples_per_sec", "tokens_per_sec", "tflops_per_sec", "mfu"):

@@ -18,6 +18,7 @@ __all__ = ["FIELDS", "format_summary", "gather_rows", "max_over_ranks", "summari
 FIELDS = (
     "peak_rss_bytes",
     "rss_growth_bytes",
+    "live_peak_bytes",
     "peak_allocated_bytes",
     "peak_reserved_bytes",
     "model_state_bytes",
@@ -55,7 +56,7 @@ def summarize(rows: list[dict[str, float]], *, peak_flops: float | None) -> dict
         ranks.append(
             {
                 "rank": rank,
-                **{field: _value(row[field]) for field in FIELDS[:5]},
+                **{field: _value(row[field]) for field in FIELDS[:6]},
                 "samples_per_sec": row["samples"] / seconds if timed else None,
                 "tokens_per_sec": _value(row["tokens"] / seconds) if timed else None,
                 "tflops_per_sec": _value(row["flops_per_batch"] * row["batches"] / seconds / 1e12) if timed else None,
@@ -77,6 +78,7 @@ def summarize(rows: list[dict[str, float]], *, peak_flops: float | None) -> dict
         "flops_per_batch": _value(rows[0]["flops_per_batch"]) if rows else None,
         "peak_tflops": peak_flops / 1e12 if peak_flops else None,
         "max_peak_rss_bytes": max_over_ranks(ranks, "peak_rss_bytes"),
+        "max_live_peak_bytes": max_over_ranks(ranks, "live_peak_bytes"),
         "max_peak_allocated_bytes": max_over_ranks(ranks, "peak_allocated_bytes"),
         "max_model_state_bytes": max_over_ranks(ranks, "model_state_bytes"),
     }
@@ -110,11 +112,11 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a table that reads well in a terminal."""
     cuda = any(r["peak_allocated_bytes"] is not None for r in summary["ranks"])
-    header = ["rank", "peak RSS", "RSS growth"] + (["CUDA peak alloc", "CUDA peak reserved"] if cuda else [])
+    header = ["rank", "peak RSS", "RSS growth", "live peak"] + (["CUDA peak alloc", "CUDA peak reserved"] if cuda else [])
     header += ["model state", "samples/s", "tokens/s", "TFLOP/s"]
     rows = []
     for r in summary["ranks"]:
-        row = [str(r["rank"]), _bytes(r["peak_rss_bytes"]), _bytes(r["rss_growth_bytes"])]
+        row = [str(r["rank"]), _bytes(r["peak_rss_bytes"]), _bytes(r["rss_growth_bytes"]), _bytes(r["live_peak_bytes"])]
         if cuda:
             row += [_bytes(r["peak_allocated_bytes"]), _bytes(r["peak_reserved_bytes"])]
         row += [_bytes(r["model_state_bytes"]), _number(r["samples_per_sec"]), _number(r["tokens_per_sec"], 0),
