@@ -61,6 +61,11 @@ def _estimate(args: argparse.Namespace) -> int:
             budget=None if args.budget is None else parse_bytes(args.budget, option="--budget"),
             processes_per_node=args.processes_per_node,
             strategies=parse_strategies(args.strategies),
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            sample_batch=args.sample_batch,
+            activation_checkpointing=_policy(args.activation_checkpointing),
+            accumulate_grad_batches=args.accumulate_grad_batches,
         )
     except (TypeError, ValueError) as exc:  # a bad option, a class that cannot be imported or built
         print(f"fsdp-strategy estimate: error: {exc}", file=sys.stderr)
@@ -77,8 +82,9 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         help="memory per rank and communication per step of each strategy, before training",
         description="Builds the module on the meta device (no memory, no process group) and prints, per strategy and"
         " world size, the parameters, gradients and optimizer state each rank holds, the largest gathered unit, the"
-        " peak without activations, and the bytes all-gathered, reduce-scattered and all-reduced per optimizer step."
-        " With --budget it recommends the simplest strategy that fits.",
+        " peak, and the bytes all-gathered, reduce-scattered and all-reduced per optimizer step. With --batch-size and"
+        " --seq-len (or --sample-batch) it runs one training_step and backward on fake tensors and the peak includes"
+        " activations. With --budget it recommends the simplest setting that fits.",
     )
     parser.add_argument("target", metavar="MODULE:Class", help="the LightningModule, e.g. examples.gpt:GPT")
     parser.add_argument("--init-args", metavar="JSON", help="constructor arguments, a JSON object")
@@ -86,11 +92,28 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", default="32-true", choices=ACCEPTED_PRECISIONS, help="default: 32-true")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
     parser.add_argument("--budget", help="memory per rank, e.g. 80GiB, 80GB, 512MiB or plain bytes")
+    parser.add_argument("--batch-size", type=_positive_int, metavar="B",
+                        help="samples per rank and optimizer step: trace a training step for the peak with activations")
+    parser.add_argument("--seq-len", type=_positive_int, metavar="T",
+                        help="the batch is (tokens, targets), two int64 tensors of B x T")
+    parser.add_argument("--sample-batch", metavar="MODULE:function",
+                        help="instead of --seq-len: a function returning a batch of n samples")
+    parser.add_argument("--activation-checkpointing", metavar="POLICY",
+                        help="also with activation checkpointing of these modules: comma-separated class names, or auto")
+    parser.add_argument("--accumulate-grad-batches", type=_positive_int, default=1, metavar="N",
+                        help="micro-batches per optimizer step (default: 1)")
     parser.add_argument("--processes-per-node", type=_positive_int, metavar="N",
                         help="fsdp2_hybrid's shard size (default: half the world size, i.e. 2 nodes)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all of them)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=_estimate)
+
+
+def _policy(text: str | None) -> str | list[str] | None:
+    """``"auto"`` as itself, ``"Block,Attention"`` as a list of class names."""
+    if text is None or text == "auto":
+        return text
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _positive_int(text: str) -> int:

@@ -93,11 +93,17 @@ class Estimate:
     all_reduce_bytes: int  # per optimizer step: DDP's gradients, or hybrid's gradient shard across replicas
     host_bytes: int  # sharded state kept in host memory (fsdp2_offload), 0 otherwise
     # Held only during the step: gathered units and unsharded gradients (FSDP2), gradient buckets and
-    # autocast's low-precision weight copies (DDP). Activations are never included.
+    # autocast's low-precision weight copies (DDP). Activations are not included.
     working_bytes: int = 0
     precision: str = "32-true"
     optimizer: str = "adamw"
     note: str = ""
+    # With a sample batch (fsdp_strategy.estimate_peak): the peak of live tensors over a traced step of
+    # `batch_size` samples per forward, activations included, and with activation checkpointing.
+    batch_size: int | None = None
+    step_peak_bytes: int | None = None
+    activation_bytes: int | None = None  # activations and temporaries at the moment of that peak
+    checkpointed_peak_bytes: int | None = None
 
     @property
     def model_state_bytes(self) -> int:
@@ -106,7 +112,10 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
-        """Model state plus what the step holds besides it; activations not included."""
+        """The traced step's peak when a batch was given; else model state plus what the step holds besides
+        it, activations not included."""
+        if self.step_peak_bytes is not None:
+            return self.step_peak_bytes
         return self.model_state_bytes + self.working_bytes
 
     @property

@@ -2,13 +2,17 @@
 
 :func:`estimate` builds a LightningModule on the meta device, estimates every strategy at every world size
 with :func:`~fsdp_strategy.estimate.estimate_module`, and recommends the simplest strategy that fits a memory
-budget (``fsdp-strategy estimate``; the table it prints is :mod:`~fsdp_strategy.estimate_table`'s).
+budget (``fsdp-strategy estimate``; the table it prints is :mod:`~fsdp_strategy.estimate_table`'s). Given a
+batch size (and a sequence length or a batch factory), each row also gets the peak of a training step traced
+on fake tensors (:mod:`~fsdp_strategy.estimate_peak`), and the budget picks the micro-batch size and activation
+checkpointing as well (:mod:`~fsdp_strategy.estimate_fit`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,24 +28,18 @@ from fsdp_strategy.estimate import (
     node_size_mismatch,
     unique_parameters,
 )
+from fsdp_strategy.estimate_fit import Recommendation, fit_budget
+from fsdp_strategy.estimate_peak import StepPeaks
 from fsdp_strategy.estimate_table import render_table
+from fsdp_strategy.estimate_trace import token_batch
 from fsdp_strategy.policy import PolicyInput, class_name, normalize_policy
 from fsdp_strategy.sizes import format_bytes, parse_bytes
-from fsdp_strategy.target import load_target
+from fsdp_strategy.target import load_function, load_target
 
 __all__ = ["RECOMMENDATION_ORDER", "EstimateReport", "Recommendation", "build_on_meta", "estimate", "recommend"]
 
 # Simplest first: the order in which strategies are tried against a budget.
 RECOMMENDATION_ORDER = ("ddp", "fsdp2_grad_op", "fsdp2", "fsdp2_hybrid", "fsdp2_offload")
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """The simplest strategy that fits the budget at one world size (``None`` when none fits)."""
-
-    world_size: int
-    strategy: str | None
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,8 @@ class EstimateReport:
     rows: list[Estimate]
     skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (strategy, world size, why)
     recommendations: list[Recommendation] = field(default_factory=list)
+    batch_size: int | None = None  # samples per rank and forward of the traced step (None: not traced)
+    activation_checkpointing: str | None = None  # the policy, described
 
     def recommendation(self, world_size: int) -> Recommendation | None:
         return next((r for r in self.recommendations if r.world_size == world_size), None)
@@ -73,6 +73,8 @@ class EstimateReport:
             "rows": [row.as_dict() for row in self.rows],
             "skipped": [{"strategy": s, "world_size": w, "reason": r} for s, w, r in self.skipped],
             "recommendations": [asdict(r) for r in self.recommendations],
+            "batch_size": self.batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
         }
 
 
@@ -88,6 +90,10 @@ def estimate(
     strategies: Sequence[str] = STRATEGIES,
     wrap_policy: PolicyInput = "auto",
     accumulate_grad_batches: int = 1,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    sample_batch: str | Callable[[int], Any] | None = None,
+    activation_checkpointing: PolicyInput = None,
 ) -> EstimateReport:
     """Estimates every strategy in ``strategies`` at every world size for a module built on the meta device.
 
@@ -95,6 +101,13 @@ def estimate(
     meta device (``configure_model()`` too, when a LightningModule defines it), so no memory is
     allocated and no process group is needed. With a ``budget`` (bytes per rank, an int or a
     string such as ``"80GiB"``) each world size gets the simplest strategy whose peak fits.
+
+    With ``batch_size`` (samples per rank and forward) and either ``seq_len`` (the batch is ``(tokens,
+    targets)``, two int64 tensors of ``batch_size x seq_len``) or ``sample_batch`` (a function, or
+    ``"package.module:function"``, that returns a batch of ``n`` samples), the module's ``training_step`` and
+    backward run once on fake tensors and every row gets the step's peak, activations included, also with
+    ``activation_checkpointing`` (a policy in ``wrap_policy``'s forms) when given; the budget then also
+    chooses activation checkpointing and the micro-batch size (:mod:`~fsdp_strategy.estimate_fit`).
 
     Raises:
         ValueError / TypeError: a bad option, a target that cannot be imported or built.
@@ -107,7 +120,11 @@ def estimate(
     normalize_policy(wrap_policy, option="wrap_policy")
     if processes_per_node is not None:
         check_positive_int("processes_per_node", processes_per_node)
-    model = build_on_meta(load_target(target), init_args or {})
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    make_batch = _batch_factory(batch_size, seq_len, sample_batch, activation_checkpointing)
+    checkpointing = normalize_policy(activation_checkpointing, option="activation_checkpointing")
+    cls = load_target(target)
+    model = build_on_meta(cls, init_args or {})
     rows, skipped = [], []
     for world_size in world_sizes:
         for strategy in strategies:
@@ -126,7 +143,28 @@ def estimate(
                     accumulate_grad_batches=accumulate_grad_batches,
                 )
             )
-    recommendations = [] if budget_bytes is None else [recommend(rows, w, budget_bytes) for w in world_sizes]
+    peaks = None
+    if make_batch is not None:
+        peaks = StepPeaks(partial(build_on_meta, cls, init_args or {}), make_batch, precision=precision,
+                          wrap_policy=wrap_policy, activation_checkpointing=checkpointing)
+        rows = [_with_step_peak(row, peaks, batch_size, accumulate_grad_batches) for row in rows]
+    if budget_bytes is None:
+        recommendations = []
+    elif peaks is None:
+        recommendations = [recommend(rows, w, budget_bytes) for w in world_sizes]
+    else:
+        recommendations = []
+        for world_size in world_sizes:
+            names = [r.strategy for r in rows if r.world_size == world_size]
+
+            def estimate_for(strategy: str, accumulate: int, world_size: int = world_size) -> Estimate:
+                return estimate_module(model, strategy=strategy, world_size=world_size, precision=precision,
+                                       optimizer=optimizer, processes_per_node=processes_per_node,
+                                       wrap_policy=wrap_policy, accumulate_grad_batches=accumulate)
+
+            recommendations.append(fit_budget(estimate_for, peaks, world_size=world_size, strategies=names,
+                                              batch_size=batch_size, accumulate=accumulate_grad_batches,
+                                              budget=budget_bytes))
     return EstimateReport(
         model=class_name(model),
         num_params=sum(p.numel() for p in unique_parameters(model)),
@@ -136,7 +174,46 @@ def estimate(
         rows=rows,
         skipped=skipped,
         recommendations=recommendations,
+        batch_size=batch_size if peaks is not None else None,
+        activation_checkpointing=None if checkpointing is None else checkpointing.describe(),
     )
+
+
+def _batch_factory(
+    batch_size: int | None, seq_len: int | None, sample_batch: str | Callable[[int], Any] | None, checkpointing: Any
+) -> Callable[[int], Any] | None:
+    """What makes a batch of ``n`` samples for the traced step, or ``None`` when no batch was asked for."""
+    if batch_size is None:
+        given = [name for name, value in (("seq_len", seq_len), ("sample_batch", sample_batch),
+                                          ("activation_checkpointing", checkpointing)) if value is not None]
+        if given:
+            raise ValueError(
+                f"`{given[0]}` needs `batch_size` (samples per rank and forward): the step peak is traced on a batch;"
+                " got batch_size=None."
+            )
+        return None
+    check_positive_int("batch_size", batch_size)
+    if (seq_len is None) == (sample_batch is None):
+        raise ValueError(
+            "`batch_size` needs one of `seq_len` (a (tokens, targets) batch of int64 tensors) or `sample_batch` (a"
+            f" function of the number of samples, or 'package.module:function'); got seq_len={seq_len!r} and"
+            f" sample_batch={sample_batch!r}."
+        )
+    if seq_len is not None:
+        check_positive_int("seq_len", seq_len)
+        return partial(token_batch, seq_len=seq_len)
+    if callable(sample_batch):
+        return sample_batch
+    return load_function(sample_batch, option="sample_batch")
+
+
+def _with_step_peak(row: Estimate, peaks: StepPeaks, batch_size: int, accumulate: int) -> Estimate:
+    peak = peaks.peak(row, micro_batch_size=batch_size, accumulate=accumulate)
+    checkpointed = None
+    if peaks.activation_checkpointing is not None:
+        checkpointed = peaks.peak(row, micro_batch_size=batch_size, checkpointed=True, accumulate=accumulate).bytes
+    return replace(row, batch_size=batch_size, step_peak_bytes=peak.bytes, activation_bytes=peak.activation_bytes,
+                   checkpointed_peak_bytes=checkpointed)
 
 
 def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recommendation:

@@ -5,27 +5,50 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
-__all__ = ["load_target"]
+__all__ = ["load_function", "load_target"]
+
+
+def _import(target: str) -> tuple[Any, str]:
+    """The module named before the colon of ``"package.module:name"``, and the name after it."""
+    module_name, _, attribute = target.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script does not add it
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name), attribute
+    except ImportError as exc:
+        raise ValueError(
+            f"Could not import {module_name!r} for {target!r}: {exc}. MODULE must be importable from the"
+            " current directory or the Python path."
+        ) from exc
+
+
+def _is_target(text: Any) -> bool:
+    return isinstance(text, str) and text.count(":") == 1 and all(text.split(":"))
+
+
+def load_function(target: str, *, option: str) -> Callable[..., Any]:
+    """The function named by ``"package.module:function"`` (``option`` names the argument in errors)."""
+    if not _is_target(target):
+        raise ValueError(f"`{option}` must be given as 'MODULE:function' or a callable; got {target!r}.")
+    module, attribute = _import(target)
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"`{option}`: {target!r} must name a function in {module.__name__!r}; got {function!r}.")
+    return function
 
 
 def load_target(target: str | type[nn.Module]) -> type[nn.Module]:
     """The module class named by ``"package.module:Class"`` (the current directory is importable)."""
     if isinstance(target, type):
         cls = target
-    elif isinstance(target, str) and target.count(":") == 1 and all(target.split(":")):
-        module_name, _, attribute = target.partition(":")
-        if os.getcwd() not in sys.path and "" not in sys.path:  # a console script does not add it
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(
-                f"Could not import {module_name!r} for {target!r}: {exc}. MODULE must be importable from the"
-                " current directory or the Python path."
-            ) from exc
+    elif _is_target(target):
+        module, attribute = _import(target)
+        module_name = module.__name__
         cls = getattr(module, attribute, None)
         if cls is None:
             classes = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)]
