@@ -44,6 +44,9 @@ from fsdp_strategy.testing.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
         ({"peak_tflops": math.inf}, ValueError, "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got inf."),
         ({"count_flops": "yes"}, TypeError, "`count_flops` must be a bool; got 'yes' of type str."),
         ({"print_summary": 1}, TypeError, "`print_summary` must be a bool; got 1 of type int."),
+        ({"live_tensor_steps": -1}, ValueError, "`live_tensor_steps` must be an int >= 0 (0: do not count live tensors); got -1."),
+        ({"live_tensor_steps": 2.0}, TypeError,
+         "`live_tensor_steps` must be an int >= 0 (0: do not count live tensors); got 2.0 of type float."),
     ],
 )
 def test_bad_options_name_the_option_value_and_what_is_accepted(options, error, message):
@@ -127,7 +130,7 @@ def test_the_estimated_model_state_counts_offloaded_state_in_host_memory():
 
 def _row(**values: float) -> dict[str, float]:
     row = dict.fromkeys(
-        ("peak_rss_bytes", "rss_growth_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "model_state_bytes",
+        ("peak_rss_bytes", "rss_growth_bytes", "live_peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "model_state_bytes",
          "samples", "tokens", "batches", "seconds", "flops_per_batch"),
         math.nan,
     )
@@ -156,7 +159,7 @@ def test_summary_adds_ranks_together_over_the_slowest_rank():
     lines = table.splitlines()
     assert lines[0].startswith("ShardingMonitor: fsdp2 | 2 x cpu | 32-true | 13 steps")
     assert [cell.strip() for cell in lines[1].split("|")] == [
-        "rank", "peak RSS", "RSS growth", "model state", "samples/s", "tokens/s", "TFLOP/s"
+        "rank", "peak RSS", "RSS growth", "live peak", "model state", "samples/s", "tokens/s", "TFLOP/s"
     ]
     assert lines[3].split("|")[1].strip() == "3.0 GiB" and lines[4].split("|")[1].strip() == "2.0 GiB"
     assert "MFU 15.0% of 100.0 TFLOP/s peak" in table
@@ -225,6 +228,8 @@ def test_fsdp2_fit_summary_logs_and_flops_match_measure_flops(trainer_env, tmp_p
     assert summary["mfu"] == pytest.approx(summary["tflops_per_sec"] / 0.5)
     assert rank["peak_rss_bytes"] >= rank["rss_growth_bytes"] >= 0
     assert rank["model_state_bytes"] == tiny_lm_adamw_state_bytes()  # one rank holds everything, once
+    # the live tensors of the first two steps: the model state and what the steps add to it
+    assert rank["model_state_bytes"] < rank["live_peak_bytes"] < rank["model_state_bytes"] + 2**20
     # one rank: nothing to communicate; the estimate agrees with what is held
     assert summary["all_gather_bytes"] == summary["reduce_scatter_bytes"] == summary["all_reduce_bytes"] == 0
     assert summary["estimated_model_state_bytes"] == pytest.approx(rank["model_state_bytes"], rel=0.01)
@@ -237,15 +242,17 @@ def test_fsdp2_fit_summary_logs_and_flops_match_measure_flops(trainer_env, tmp_p
     logged = [r for r in rows if r.get("monitor/samples_per_sec")]
     assert [int(r["step"]) for r in logged] == [3, 5]  # steps 4 and 6: after the warm-up, every 2 steps
     assert all(float(r["monitor/peak_rss_mib"]) > 0 and float(r["monitor/mfu"]) > 0 for r in logged)
+    assert all(float(r["monitor/live_peak_mib"]) * 2**20 == rank["live_peak_bytes"] for r in logged)
     assert any(r.get("monitor/model_state_mib") for r in rows)
 
 
 def test_single_device_fit_with_counters_given_and_flops_off(trainer_env, tmp_path, capsys):
     monitor = ShardingMonitor(warmup_steps=1, batch_size_fn=lambda batch: 2 * len(batch[0]), tokens_per_sample=3,
-                              count_flops=False, print_summary=False)
+                              count_flops=False, print_summary=False, live_tensor_steps=0)
     _fit(tmp_path, monitor, strategy="auto", max_steps=3)
     summary = monitor.summary
     assert summary["strategy"] == "single_device" and summary["flops_per_batch"] is None
+    assert summary["ranks"][0]["live_peak_bytes"] is None  # not counted
     assert summary["max_model_state_bytes"] == tiny_lm_adamw_state_bytes()
     assert summary["tokens_per_sec"] == pytest.approx(3 * summary["samples_per_sec"])
     assert summary["all_gather_bytes"] is None

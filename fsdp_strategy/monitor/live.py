@@ -4,13 +4,14 @@ RSS includes what the allocator keeps (on CPU, glibc's heap fragments after a fe
 ``max_memory_allocated`` counts the caching allocator's blocks; neither is what the estimator predicts.
 :class:`LiveTensorPeak` counts the tensors themselves (:class:`~fsdp_strategy.live_tensors.LiveTensors`):
 at the first batch it takes every tensor the process holds (model state, batches, FSDP2's freed
-all-gather outputs), then follows each op's outputs and each storage's release until ``steps`` optimizer
+all-gather outputs, and anything else still referenced, such as a model of an earlier fit), then follows each op's outputs and each storage's release until ``steps`` optimizer
 steps have ended. Counting costs Python work on every op, so it covers the first steps only, which the
 throughput leaves out as warm-up when ``steps <= warmup_steps``.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 from typing import Any
 
@@ -36,6 +37,7 @@ class LiveTensorPeak:
         """Starts counting at optimizer step ``step`` if it is one of the first ``steps``, unless counting."""
         if self._done or self._live is not None or step >= self.steps:
             return
+        gc.collect()  # tensors in unreachable cycles (an earlier fit's Trainer and model) are not live
         live = LiveTensors()
         live.__enter__()
         live.track(existing_tensors())

@@ -12,7 +12,6 @@ user does it; the ``fsdp2`` variants get it as ``activation_checkpointing_policy
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 from pathlib import Path
@@ -47,7 +46,6 @@ def _loader(batch_size: int, seq_len: int, vocab_size: int, micro_batches: int) 
 def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, accumulate: int = 1) -> float:
     """This rank's peak bytes of live tensors over :data:`STEPS` optimizer steps of ``config``."""
     strategy, precision, checkpointing = parse_config(config)
-    gc.collect()  # the previous configuration's model and optimizer would count as live tensors
     L.seed_everything(0)
     model = GPT(**model_args)
     if strategy == "ddp" and checkpointing is not None:
