@@ -37,9 +37,11 @@ def parse_config(text: str) -> tuple[str, str, list[str] | None]:
     return strategy, precision, None if checkpointing == "none" else checkpointing.split("+")
 
 
-def _loader(batch_size: int, seq_len: int, vocab_size: int, micro_batches: int) -> DataLoader:
+def _loader(batch_size: int, seq_len: int, vocab_size: int, micro_batches: int, world_size: int) -> DataLoader:
+    # Lightning's distributed sampler gives each rank 1/world_size of the samples: every rank gets full batches.
+    samples = batch_size * micro_batches * STEPS * world_size
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(vocab_size, (batch_size * micro_batches * STEPS, seq_len + 1), generator=generator)
+    tokens = torch.randint(vocab_size, (samples, seq_len + 1), generator=generator)
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
 
 
@@ -67,7 +69,7 @@ def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, acc
         enable_model_summary=False,
         callbacks=[monitor],
     )
-    trainer.fit(model, _loader(batch_size, seq_len, model_args.get("vocab_size", 256), accumulate))
+    trainer.fit(model, _loader(batch_size, seq_len, model_args.get("vocab_size", 256), accumulate, trainer.world_size))
     return monitor.summary["ranks"][trainer.global_rank]["live_peak_bytes"]
 
 
