@@ -51,12 +51,20 @@ class LiveTensors(TorchDispatchMode):
     ``current`` and ``peak`` are totals in bytes; ``by_category`` the current bytes per category.
     ``fake=True`` counts fake tensors (their storages have sizes but no memory), for predicting; by
     default fake tensors are left out, so that shape propagation inside DTensor does not count.
-    ``on_op(live, func)`` is called after each op (the caller's timeline).
+    ``on_op(live, func)`` is called after each op (the caller's timeline). With ``device``, only tensors of that
+    device type count (``"cuda"``: what CUDA's ``memory_allocated`` sees, without the host's tensors).
     """
 
-    def __init__(self, *, fake: bool = False, on_op: Callable[[LiveTensors, Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        fake: bool = False,
+        on_op: Callable[[LiveTensors, Any], None] | None = None,
+        device: str | None = None,
+    ) -> None:
         super().__init__()
         self.fake = fake
+        self.device = device
         self.on_op = on_op
         self.current = 0
         self.peak = 0
@@ -100,6 +108,8 @@ class LiveTensors(TorchDispatchMode):
         if type(tensor) not in (Tensor, torch.nn.Parameter) and not (self.fake and is_fake(tensor)):
             return None  # a wrapper without storage of its own; its inner tensors are seen as they are made
         if is_fake(tensor) and not self.fake:
+            return None
+        if self.device is not None and tensor.device.type != self.device:
             return None
         try:
             return tensor.untyped_storage()

@@ -49,3 +49,9 @@ def test_fake_tensors_count_only_when_asked():
             kept = torch.empty(100)
     assert real_only.peak == 0
     assert fakes.peak == fakes.current == kept.untyped_storage().nbytes() == 400
+
+
+def test_a_device_filter_counts_only_that_devices_tensors():
+    with LiveTensors(device="cuda") as gpu_only, LiveTensors(device="cpu") as host:
+        kept = torch.ones(100)
+    assert gpu_only.peak == 0 and host.peak == kept.untyped_storage().nbytes()

@@ -16,7 +16,8 @@ are reset when fit sets up, so a second fit in the same process is measured on i
 No step synchronizes the ranks or the device: batches are timed at their boundaries (CUDA events
 on the device), and the ranks exchange their numbers only at logging steps and once at the end.
 
-One module per concern: ``memory`` (RSS and CUDA peaks), ``batches`` (samples and tokens of a
+One module per concern: ``memory`` (RSS and CUDA peaks), ``live`` (the peak bytes of live tensors over
+the first steps, what the estimator's step peak predicts), ``batches`` (samples and tokens of a
 batch), ``timing`` (step boundaries without synchronizing), ``flops`` (one batch's FLOPs, the
 device's peak, MFU), ``estimator`` (the sharding plan's communication and model state, from the
 estimator), ``summary`` (per-rank rows to the summary and its table) and ``callback`` (the Lightning

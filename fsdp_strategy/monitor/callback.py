@@ -139,6 +139,7 @@ class ShardingMonitor(Callback):
         self.summary = None
         device = trainer.strategy.root_device
         self._clock = Clock(device)
+        self._live = LiveTensorPeak(self.live_tensor_steps, device=device.type)
         reset_peaks(device)
         self._rss_at_start = current_rss_bytes()
 

@@ -23,8 +23,9 @@ __all__ = ["LiveTensorPeak"]
 class LiveTensorPeak:
     """Counts live tensor bytes from :meth:`start` (the first batch) until ``steps`` optimizer steps are done."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, device: str = "cpu") -> None:
         self.steps = steps
+        self.device = device  # the device type whose tensors count: the host's on CPU, the GPU's on CUDA
         self.peak_bytes = math.nan
         self._live: LiveTensors | None = None
         self._done = steps == 0
@@ -38,7 +39,7 @@ class LiveTensorPeak:
         if self._done or self._live is not None or step >= self.steps:
             return
         gc.collect()  # tensors in unreachable cycles (an earlier fit's Trainer and model) are not live
-        live = LiveTensors()
+        live = LiveTensors(device=self.device)
         live.__enter__()
         live.track(existing_tensors())
         self._live = live
