@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.benchmark.gpt import GPT
 from fsdp_strategy.cli import main
 from fsdp_strategy.estimate import Estimate, estimate_module
@@ -19,28 +18,14 @@ from fsdp_strategy.estimate_report import build_on_meta, estimate
 from fsdp_strategy.estimate_trace import token_batch
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.testing.models import SEQ, TinyLM, token_loader
+from fsdp_strategy.testing.peak_runs import live_peak_fit
 
 GPT_ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
 
 
 def _measured_live_peak(strategy: str, checkpointing: list[str] | None) -> float:
     L.seed_everything(0)
-    monitor = ShardingMonitor(warmup_steps=1, count_flops=False, print_summary=False, live_tensor_steps=2)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy if strategy == "ddp" else FSDP2Strategy(
-            reshard_after_forward=strategy != "fsdp2_grad_op", activation_checkpointing_policy=checkpointing
-        ),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor],
-    )
-    trainer.fit(TinyLM(), token_loader(batch_size=4, samples=16))
-    return monitor.summary["ranks"][0]["live_peak_bytes"]
+    return live_peak_fit(TinyLM(), token_loader(batch_size=4, samples=16), strategy=strategy, checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from fsdp_strategy.benchmark.gpt import GPT
 from fsdp_strategy.parallelize import apply_activation_checkpointing
 from fsdp_strategy.policy import normalize_policy, select_modules
 
-__all__ = ["STEPS", "measure", "parse_config"]
+__all__ = ["STEPS", "live_peak_fit", "measure", "parse_config"]
 
 STEPS = 2  # the second step is the steady one: the first step's gradients and optimizer state exist
 
@@ -45,11 +45,16 @@ def _loader(batch_size: int, seq_len: int, vocab_size: int, micro_batches: int, 
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
 
 
-def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, accumulate: int = 1) -> float:
-    """This rank's peak bytes of live tensors over :data:`STEPS` optimizer steps of ``config``."""
-    strategy, precision, checkpointing = parse_config(config)
-    L.seed_everything(0)
-    model = GPT(**model_args)
+def live_peak_fit(
+    model: L.LightningModule,
+    loader: DataLoader,
+    *,
+    strategy: str,
+    precision: str = "32-true",
+    checkpointing: list[str] | None = None,
+    accumulate: int = 1,
+) -> float:
+    """This rank's peak bytes of live tensors over :data:`STEPS` optimizer steps of ``model`` under ``strategy``."""
     if strategy == "ddp" and checkpointing is not None:
         apply_activation_checkpointing(select_modules(model, normalize_policy(checkpointing, option="checkpointing")))
     monitor = ShardingMonitor(warmup_steps=1, count_flops=False, print_summary=False, live_tensor_steps=STEPS)
@@ -69,8 +74,18 @@ def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, acc
         enable_model_summary=False,
         callbacks=[monitor],
     )
-    trainer.fit(model, _loader(batch_size, seq_len, model_args.get("vocab_size", 256), accumulate, trainer.world_size))
+    trainer.fit(model, loader)
     return monitor.summary["ranks"][trainer.global_rank]["live_peak_bytes"]
+
+
+def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, accumulate: int = 1) -> float:
+    """This rank's peak bytes of live tensors over :data:`STEPS` optimizer steps of ``config`` on the GPT."""
+    strategy, precision, checkpointing = parse_config(config)
+    L.seed_everything(0)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; the fits start the process group
+    loader = _loader(batch_size, seq_len, model_args.get("vocab_size", 256), accumulate, world_size)
+    return live_peak_fit(GPT(**model_args), loader, strategy=strategy, precision=precision,
+                         checkpointing=checkpointing, accumulate=accumulate)
 
 
 def main() -> None:
