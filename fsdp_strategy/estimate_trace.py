@@ -157,17 +157,19 @@ def _fake_state(model: nn.Module, dtypes: dict[str, torch.dtype], buffer_dtype: 
         dtype = dtypes.get(name, param.dtype) if param.is_floating_point() else param.dtype
         fake = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="cpu"), requires_grad=param.requires_grad)
         fakes[id(param)] = by_name[name] = fake
-    buffers = []
+    buffers: dict[int, Tensor] = {}
+    replaced: list[Tensor] = []  # alive until the end, so that no other tensor takes a replaced one's id
     for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                module._parameters[key] = fakes[id(param)]
-        for key, buffer in module._buffers.items():
-            if buffer is not None:
+        # Module.__setattr__ keeps a registered parameter or buffer registered (and a buffer's persistence).
+        for key, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            setattr(module, key, fakes[id(param)])
+        for key, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if id(buffer) not in buffers:
                 dtype = buffer_dtype if buffer_dtype is not None and buffer.is_floating_point() else buffer.dtype
-                module._buffers[key] = torch.empty(buffer.shape, dtype=dtype, device="cpu")
-                buffers.append(module._buffers[key])
-    return by_name, buffers
+                buffers[id(buffer)] = torch.empty(buffer.shape, dtype=dtype, device="cpu")
+            replaced.append(buffer)
+            setattr(module, key, buffers[id(buffer)])
+    return by_name, list(buffers.values())
 
 
 def _run_training_step(model: nn.Module, batch: Any) -> Tensor:
