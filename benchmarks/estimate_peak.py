@@ -1,7 +1,7 @@
 """The estimator's step peak against the live-tensor peak of real training, on the benchmark GPT (docs/benchmarks.md).
 
 Launches ``fsdp_strategy.testing.peak_runs`` under torchrun (every configuration, one after another, in the
-same processes), predicts each configuration with ``fsdp_strategy.estimate`` and prints one Markdown row per
+same processes; with ``--separate`` one launch per configuration), predicts each configuration with ``fsdp_strategy.estimate`` and prints one Markdown row per
 configuration: predicted and measured peak (the largest rank) and their difference. Also writes the figures as
 JSON to ``--out``.
 
@@ -39,6 +39,17 @@ def predicted(config: str, model_args: dict, world_size: int, batch_size: int, s
     return row.checkpointed_peak_bytes if checkpointing else row.step_peak_bytes
 
 
+def _measure(configs: list[str], model_args: dict, args: argparse.Namespace) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        measured_file = Path(tmp) / "measured.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
+               "-m", "fsdp_strategy.testing.peak_runs", "--configs", ",".join(configs), "--model-args",
+               json.dumps(model_args), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+               "--out", str(measured_file)]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+        return json.loads(measured_file.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="small", choices=list(GPT_SIZES))
@@ -46,16 +57,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--separate", action="store_true",
+                        help="one launch per configuration: a module that stays sharded after fit (too little free"
+                        " host memory to give it back whole) keeps its tensors alive into the next configuration")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     model_args = dict(GPT_SIZES[args.size])
-    with tempfile.TemporaryDirectory() as tmp:
-        measured_file = Path(tmp) / "measured.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
-               "-m", "fsdp_strategy.testing.peak_runs", "--configs", args.configs, "--model-args", json.dumps(model_args),
-               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--out", str(measured_file)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-        measured = json.loads(measured_file.read_text())
+    launches = [[c] for c in args.configs.split(",")] if args.separate else [args.configs.split(",")]
+    measured = {}
+    for configs in launches:
+        measured.update(_measure(configs, model_args, args))
     rows = []
     for config in args.configs.split(","):
         guess = predicted(config, model_args, args.world_size, args.batch_size, args.seq_len)
