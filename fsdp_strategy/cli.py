@@ -93,7 +93,8 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
     parser.add_argument("--budget", help="memory per rank, e.g. 80GiB, 80GB, 512MiB or plain bytes")
     parser.add_argument("--batch-size", type=_positive_int, metavar="B",
-                        help="samples per rank and optimizer step: trace a training step for the peak with activations")
+                        help="samples per rank and forward (the Trainer's batch size): trace a training step for the"
+                        " peak with activations")
     parser.add_argument("--seq-len", type=_positive_int, metavar="T",
                         help="the batch is (tokens, targets), two int64 tensors of B x T")
     parser.add_argument("--sample-batch", metavar="MODULE:function",
