@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 
 import lightning as L
@@ -16,6 +17,7 @@ from fsdp_strategy.estimate_fit import Recommendation, fit_budget, micro_batch_s
 from fsdp_strategy.estimate_peak import StepPeaks
 from fsdp_strategy.estimate_report import build_on_meta, estimate
 from fsdp_strategy.estimate_trace import token_batch
+from fsdp_strategy.live_tensors import LiveTensors, existing_tensors
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.testing.models import SEQ, TinyLM, token_loader
 from fsdp_strategy.testing.peak_runs import live_peak_fit
@@ -23,9 +25,20 @@ from fsdp_strategy.testing.peak_runs import live_peak_fit
 GPT_ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
 
 
+def _bytes_alive() -> int:
+    """Bytes of the tensors this process holds already (earlier tests' fixtures and data), which the fit's live
+    peak counts too: every tensor the process holds is live."""
+    gc.collect()
+    with LiveTensors() as live:
+        live.track(existing_tensors())
+        return live.current
+
+
 def _measured_live_peak(strategy: str, checkpointing: list[str] | None) -> float:
+    before = _bytes_alive()
     L.seed_everything(0)
-    return live_peak_fit(TinyLM(), token_loader(batch_size=4, samples=16), strategy=strategy, checkpointing=checkpointing)
+    model, loader = TinyLM(), token_loader(batch_size=4, samples=16)
+    return live_peak_fit(model, loader, strategy=strategy, checkpointing=checkpointing) - before
 
 
 @pytest.mark.parametrize(
