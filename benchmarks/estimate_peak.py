@@ -64,18 +64,18 @@ def main() -> None:
     args = parser.parse_args()
     model_args = dict(GPT_SIZES[args.size])
     launches = [[c] for c in args.configs.split(",")] if args.separate else [args.configs.split(",")]
-    measured = {}
-    for configs in launches:
-        measured.update(_measure(configs, model_args, args))
     rows = []
-    for config in args.configs.split(","):
-        guess = predicted(config, model_args, args.world_size, args.batch_size, args.seq_len)
-        actual = max(measured[config])
-        rows.append({"config": config, "predicted": guess, "measured": measured[config]})
-        strategy, precision, checkpointing = parse_config(config)
-        print(f"| {args.size} | {args.world_size} | `{strategy}` | {precision} | {'Block' if checkpointing else '-'} |"
-              f" {guess / MiB:,.1f} | {actual / MiB:,.1f} | {(guess - actual) / actual:+.2%} |", flush=True)
-    args.out.write_text(json.dumps({**vars(args), "out": str(args.out), "model_args": model_args, "rows": rows}, indent=1))
+    for configs in launches:  # rows are printed and written after each launch: a long run keeps what it measured
+        measured = _measure(configs, model_args, args)
+        for config in configs:
+            guess = predicted(config, model_args, args.world_size, args.batch_size, args.seq_len)
+            actual = max(measured[config])
+            rows.append({"config": config, "predicted": guess, "measured": measured[config]})
+            strategy, precision, checkpointing = parse_config(config)
+            print(f"| {args.size} | {args.world_size} | `{strategy}` | {precision} | {'Block' if checkpointing else '-'} |"
+                  f" {guess / MiB:,.1f} | {actual / MiB:,.1f} | {(guess - actual) / actual:+.2%} |", flush=True)
+        summary = {**vars(args), "out": str(args.out), "model_args": model_args, "rows": rows}
+        args.out.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
