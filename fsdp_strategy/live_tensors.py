@@ -163,6 +163,10 @@ class LiveTensors(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         _unwatch_resizes(self)
+        # Dropping the entries drops their weak references, and with them the callbacks that would keep this
+        # tracker attached to every storage that outlives the count (the model's, the optimizer's).
+        with self._lock:
+            self._storages.clear()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
