@@ -140,6 +140,7 @@ class ShardingMonitor(Callback):
         device = trainer.strategy.root_device
         self._clock = Clock(device)
         self._live = LiveTensorPeak(self.live_tensor_steps, device=device.type)
+        self._live.collect()
         reset_peaks(device)
         self._rss_at_start = current_rss_bytes()
 

@@ -34,11 +34,16 @@ class LiveTensorPeak:
     def counting(self) -> bool:
         return self._live is not None
 
+    def collect(self) -> None:
+        """Frees unreachable cycles (an earlier fit's Trainer and model), which are not live; call it before the
+        fit's starting RSS is read, so that the freed memory does not show as negative growth."""
+        if not self._done:
+            gc.collect()
+
     def start(self, step: int) -> None:
         """Starts counting at optimizer step ``step`` if it is one of the first ``steps``, unless counting."""
         if self._done or self._live is not None or step >= self.steps:
             return
-        gc.collect()  # tensors in unreachable cycles (an earlier fit's Trainer and model) are not live
         live = LiveTensors(device=self.device)
         live.__enter__()
         live.track(existing_tensors())
