@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 __all__ = [
+    "FsspecReader",
+    "FsspecWriter",
     "ScriptLauncher",
     "sync_ddp",
     "disabled_torch_function_impl",
@@ -127,3 +129,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: 
 # `Strategy.reduce` must reduce exactly as DDPStrategy.reduce does ("mean" and the other string ops, groups);
 # Lightning implements that in this helper (Lightning >= 2.0), which DDPStrategy itself calls.
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp  # noqa: E402
+
+# DCP's storage reader and writer over fsspec (s3://, gs://, memory://, ...). torch ships them in
+# torch.distributed.checkpoint._fsspec_filesystem (torch >= 2.1, documented there); torch 2.13 no longer
+# re-exports them from torch.distributed.checkpoint.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402

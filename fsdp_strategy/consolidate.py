@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fsdp_strategy import storage
 from fsdp_strategy.checkpoint import MODEL_KEY
 from fsdp_strategy.dcp_metadata import DCP_METADATA_FILENAME, read_dcp_metadata
 from fsdp_strategy.sizes import format_bytes
@@ -121,10 +122,10 @@ def _consolidate(
     weights_only: bool = True,
 ) -> _Summary:
     """:func:`consolidate_checkpoint`, returning what was written (for the ``consolidate`` command)."""
-    source, target = Path(checkpoint_dir), Path(output_file)
-    reader, metadata = _open_checkpoint(source, weights_only=weights_only)
+    source, target = storage.location(checkpoint_dir), Path(output_file)
+    files, reader, metadata = _open_checkpoint(source, weights_only=weights_only)
     _check_output(target, overwrite)
-    trainer_state = load_trainer_state(source, weights_only=weights_only)
+    trainer_state = load_trainer_state(files, weights_only=weights_only)
 
     tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
@@ -156,30 +157,31 @@ def _consolidate(
 # --- reading the directory ----------------------------------------------------------------------------
 
 
-def _open_checkpoint(source: Path, *, weights_only: bool) -> tuple[FileSystemReader, Metadata]:
-    if not source.exists():
-        raise FileNotFoundError(f"checkpoint directory {source} does not exist")
-    if not source.is_dir():
-        raise ValueError(
-            f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
-        )
-    index = source / DCP_METADATA_FILENAME
-    if not index.is_file():
+def _open_checkpoint(source: Path | str, *, weights_only: bool) -> tuple[storage.CheckpointFiles, Any, Metadata]:
+    if isinstance(source, Path):
+        if not source.exists():
+            raise FileNotFoundError(f"checkpoint directory {source} does not exist")
+        if not source.is_dir():
+            raise ValueError(
+                f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
+            )
+    files = storage.checkpoint_files(source)  # a URL: its manifest, read once
+    if not files.is_file(DCP_METADATA_FILENAME):
         raise ValueError(
             f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file"
             " (the Distributed Checkpoint index)"
         )
-    if not (source / TRAINER_STATE_FILENAME).is_file():
+    if not files.is_file(TRAINER_STATE_FILENAME):
         raise ValueError(
             f"{source} is not a sharded Lightning checkpoint: it has no {TRAINER_STATE_FILENAME} file"
             " (the trainer state)"
         )
     # Shard files present and long enough, non-tensor entries and meta.pt loadable: CheckpointError otherwise.
-    verify_sharded_checkpoint(source, weights_only=weights_only)
-    metadata = read_dcp_metadata(source)  # not FileSystemReader.read_metadata(): that is pickle.load
-    reader = FileSystemReader(source)
+    verify_sharded_checkpoint(files, weights_only=weights_only)
+    metadata = read_dcp_metadata(files)  # not the reader's read_metadata(): that is pickle.load
+    reader = files.reader()
     reader.set_up_storage_reader(metadata, True)
-    return reader, metadata
+    return files, reader, metadata
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
