@@ -81,8 +81,16 @@ def consolidate_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     weights_only: bool = True,
+    format: str = "lightning",
+    prefix: str | None = None,
+    max_shard_size: int | str | None = None,
+    config_from: Any = None,
 ) -> Path:
     """Writes the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``output_file``.
+
+    With ``format="safetensors"``, ``output_file`` is a folder that receives the model's weights as
+    ``save_pretrained`` writes them, for ``from_pretrained``: see :func:`fsdp_strategy.export.export_safetensors`
+    for ``prefix``, ``max_shard_size`` and ``config_from`` (options of that format only).
 
     Runs in one process and needs no process group. The file is written under a temporary name in the
     same folder and renamed when complete, so a failure never leaves a partial ``output_file``.
@@ -110,6 +118,24 @@ def consolidate_checkpoint(
         FileExistsError: ``output_file`` exists and ``overwrite`` is false.
         IsADirectoryError: ``output_file`` is a directory.
     """
+    if format == "safetensors":
+        from fsdp_strategy.export import export_safetensors
+
+        return export_safetensors(
+            checkpoint_dir,
+            output_file,
+            prefix=prefix or "",
+            max_shard_size="5GB" if max_shard_size is None else max_shard_size,
+            config_from=config_from,
+            overwrite=overwrite,
+            progress=progress,
+            weights_only=weights_only,
+        ).path
+    if format != "lightning":
+        raise ValueError(f"`format` must be 'lightning' (one checkpoint file) or 'safetensors'; got {format!r}.")
+    for option, value in (("prefix", prefix), ("max_shard_size", max_shard_size), ("config_from", config_from)):
+        if value is not None:
+            raise ValueError(f"`{option}` is an option of format='safetensors'; got {value!r} with format='lightning'.")
     return _consolidate(checkpoint_dir, output_file, overwrite=overwrite, progress=progress, weights_only=weights_only).path
 
 
