@@ -4,12 +4,15 @@
         benchmarks/unused_overhead.py --n-layer 6 --n-head 6 --n-embd 384 --seq-len 128 --batch-size 4
 
 Two copies of the benchmark's GPT (same initial weights, same batches, AdamW), each sharded as the
-strategy shards it (each block, then the root, which stays gathered after forward), train side by side:
-``plain`` as FSDP2 alone, ``tracked`` with :class:`fsdp_strategy.unused.UnusedParameters` (zero-filled
-reduce-scatter, a hook on every unsharded parameter, one all-reduce of the used-record per step). Their
-steps alternate, each pair in the other order than the one before, so a change in the machine's load falls
-on both sides of a pair. Prints, for wall time and for rank 0's CPU time (``time.process_time()``, all
-threads), the median per-pair ratio tracked/plain with its 10th and 90th percentiles, and each side's median.
+strategy shards it (each block, then the root, which stays gathered after forward), train side by side,
+as two of (``--sides A,B``, default ``plain,tracked``): ``plain``, FSDP2 alone; ``tracked``, with
+:class:`fsdp_strategy.unused.UnusedParameters` (zero-filled reduce-scatter, a hook on every unsharded
+parameter, one all-reduce of the used-record per step, not waited for when every parameter was used);
+``checked``, that and :class:`fsdp_strategy.unit_order.UnitOrder` (a forward pre-hook on each block, the
+digest in the same all-reduce, which every rank then waits for), as the strategy runs them. Their steps
+alternate, each pair in the other order than the one before, so a change in the machine's load falls on
+both sides of a pair. Prints, for wall time and for rank 0's CPU time (``time.process_time()``, all
+threads), the median per-pair ratio B/A with its 10th and 90th percentiles, and each side's median.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from fsdp_strategy.benchmark.gpt import GPT
 from fsdp_strategy.benchmark.worker import make_optimizer, next_token_loss, token_loader
 from fsdp_strategy.policy import normalize_policy, select_modules
+from fsdp_strategy.unit_order import UnitOrder
 from fsdp_strategy.unused import UnusedParameters
 
 
@@ -48,6 +52,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=40, help="timed pairs of steps")
+    p.add_argument("--sides", default="plain,tracked", help="two of plain, tracked, checked: baseline,candidate")
     p.add_argument("--out", default=None, help="append the JSON line to this file")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -55,57 +60,61 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
 
+    kinds = dict(zip("ab", args.sides.split(","), strict=True))  # a: the baseline, b: the candidate
     torch.manual_seed(0)
-    plain = GPT(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+    first = GPT(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                 n_embd=args.n_embd)
-    tracked = copy.deepcopy(plain)
-    shard(plain, mesh)
-    shard(tracked, mesh)
-    tracker = UnusedParameters(tracked)
-    sides = {
-        "plain": (plain, make_optimizer(plain), None),
-        "tracked": (tracked, make_optimizer(tracked), tracker),
-    }
+    sides = {}
+    for side, model in (("a", first), ("b", copy.deepcopy(first))):
+        shard(model, mesh)
+        tracker = UnusedParameters(model) if kinds[side] in ("tracked", "checked") else None
+        order = UnitOrder(model) if kinds[side] == "checked" else None
+        sides[side] = (model, make_optimizer(model), tracker, order)
     args.steps += args.warmup
     batches = list(token_loader(args, rank, world))
 
-    def step(name: str, batch) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
-        model, optimizer, tracker = sides[name]
+    def step(side: str, batch) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+        model, optimizer, tracker, order = sides[side]
         t0, c0 = time.perf_counter(), time.process_time()
+        loss = next_token_loss(model, batch)
+        if order is not None:
+            order.before_backward()
         if tracker is not None:
             tracker.before_backward()
-        loss = next_token_loss(model, batch)
         loss.backward()
+        if order is not None:
+            order.after_backward()
         if tracker is not None:
-            tracker.after_backward()
+            tracker.after_backward(order=order)
         optimizer.step()
         optimizer.zero_grad()
         return time.perf_counter() - t0, time.process_time() - c0, loss.item()
 
-    wall: dict[str, list[float]] = {"plain": [], "tracked": []}
-    cpu: dict[str, list[float]] = {"plain": [], "tracked": []}
+    wall: dict[str, list[float]] = {"a": [], "b": []}
+    cpu: dict[str, list[float]] = {"a": [], "b": []}
     for i in range(args.steps):
-        order = ("plain", "tracked") if i % 2 == 0 else ("tracked", "plain")
         losses = {}
-        for name in order:
-            w, c, losses[name] = step(name, batches[i])
+        for side in ("ab" if i % 2 == 0 else "ba"):
+            w, c, losses[side] = step(side, batches[i])
             if i >= args.warmup:
-                wall[name].append(w)
-                cpu[name].append(c)
-        assert abs(losses["plain"] - losses["tracked"]) <= 1e-5 * abs(losses["plain"]), losses
-    tracker.wait()
+                wall[side].append(w)
+                cpu[side].append(c)
+        assert abs(losses["a"] - losses["b"]) <= 1e-5 * abs(losses["a"]), losses
+    for _, _, tracker, _ in sides.values():
+        if tracker is not None:
+            tracker.wait()
 
     def summary(times: dict[str, list[float]]) -> dict[str, float]:
-        ratios = sorted(t / p for t, p in zip(times["tracked"], times["plain"]))
+        ratios = sorted(b / a for a, b in zip(times["a"], times["b"]))
         deciles = statistics.quantiles(ratios, n=10)
         return {
             "ratio_median": statistics.median(ratios), "ratio_p10": deciles[0], "ratio_p90": deciles[-1],
-            "plain_ms": 1e3 * statistics.median(times["plain"]),
-            "tracked_ms": 1e3 * statistics.median(times["tracked"]),
+            f"{kinds['a']}_ms": 1e3 * statistics.median(times["a"]),
+            f"{kinds['b']}{'_b' if kinds['a'] == kinds['b'] else ''}_ms": 1e3 * statistics.median(times["b"]),
         }
 
     if rank == 0:
-        line = json.dumps({"pairs": len(wall["plain"]), "wall": summary(wall), "cpu_rank0": summary(cpu)})
+        line = json.dumps({"pairs": len(wall["a"]), "sides": args.sides, "wall": summary(wall), "cpu_rank0": summary(cpu)})
         print(line)
         if args.out:
             with open(args.out, "a") as f:

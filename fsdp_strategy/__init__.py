@@ -18,6 +18,7 @@ from fsdp_strategy.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.rendezvous import PeerLostError
 from fsdp_strategy.saving import CheckpointSaveError
 from fsdp_strategy.strategy import FSDP2Strategy
+from fsdp_strategy.unit_order import UnitMismatchError
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
@@ -29,6 +30,7 @@ __all__ = [
     "PeerLostError",
     "PolicyInput",
     "ShardingMonitor",
+    "UnitMismatchError",
     "__version__",
     "consolidate_checkpoint",
     "estimate",

@@ -23,6 +23,7 @@ __all__ = [
     "get_layout",
     "make_wrapper_subclass",
     "op_arguments",
+    "reduce_root_gradients_after",
     "tensor_version",
     "tree_flatten",
     "tree_map",
@@ -134,3 +135,17 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 # torch.distributed.checkpoint._fsspec_filesystem (torch >= 2.1, documented there); torch 2.13 no longer
 # re-exports them from torch.distributed.checkpoint.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
+
+
+def reduce_root_gradients_after(model: nn.Module, loss: torch.Tensor) -> None:
+    """Makes the backward of ``loss`` reduce-scatter the gradients of the root unit ``model``'s own parameters.
+
+    FSDP2 reduces gradients in a callback that the pre-backward hook of an FSDP forward's output queues.
+    Under manual optimization a loss need not be such an output (a critic trained on detached features,
+    whose layers all belong to the root): nothing queues the callback, and the root's gradients would stay
+    in its unsharded parameters, unreduced. The root's own pre-backward hook (``FSDPState._pre_backward``,
+    torch >= 2.4), registered on the loss, does what the root's forward output would have done; FSDP queues
+    its callback once per backward. No public API exists (torch 2.13).
+    """
+    state = model._get_fsdp_state()  # type: ignore[operator]
+    loss.register_hook(state._pre_backward)

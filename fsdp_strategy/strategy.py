@@ -30,8 +30,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, rendezvous, saving, storage, unused, verify
-from fsdp_strategy._compat import sync_ddp, weights_only_of_trainer_call
+from fsdp_strategy import background, rendezvous, saving, storage, unit_order, unused, verify
+from fsdp_strategy._compat import reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.guard import NonFiniteGuard
@@ -195,6 +195,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._in_no_sync = False
         self._layer_sync_applied = False
         self._unused: unused.UnusedParameters | None = None
+        self._unit_order: unit_order.UnitOrder | None = None
         self._buffer_sync: BufferSync | None = None
         self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
@@ -203,7 +204,9 @@ class FSDP2Strategy(ParallelStrategy):
 
     # Runtime handles of this process (store connections, process groups, threads, the launcher's child
     # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
-    _PROCESS_LOCAL = ("_membership", "_async_group", "_host_group", "_unused", "_buffer_sync", "_saves", "_launcher")
+    _PROCESS_LOCAL = (
+        "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher"
+    )
 
     @override
     def __getstate__(self) -> dict[str, Any]:
@@ -457,6 +460,9 @@ class FSDP2Strategy(ParallelStrategy):
             strategy=type(self).__name__,
         )
         self.barrier()
+        if self._unit_order is not None:
+            self._unit_order.close()
+        self._unit_order = unit_order.UnitOrder.attach(self.model, group=self._gloo_group())
         if fitting:
             self.setup_optimizers(trainer)
             if unused.supported() and (self._unused is None or self._unused.model is not self.model):
@@ -594,7 +600,27 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._buffer_step(gradient_sync=False):
-            return super().validation_step(*args, **kwargs)
+            output = super().validation_step(*args, **kwargs)
+        self._check_unit_order("validation_step")
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._check_unit_order("test_step")
+        return output
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        self._check_unit_order("predict_step")
+        return output
+
+    def _check_unit_order(self, during: str) -> None:
+        # An evaluation step reduces nothing to carry the digest: one small all-reduce of its own, before its
+        # outputs reach the metrics or the caller.
+        if self._unit_order is not None:
+            self._unit_order.check(during=during)
 
     @contextmanager
     def _buffer_step(self, *, gradient_sync: bool) -> Generator[None, None, None]:
@@ -606,13 +632,22 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._in_manual_step and isinstance(self.model, FSDPModule) and closure_loss.requires_grad:
+            reduce_root_gradients_after(self.model, closure_loss)
+        if self._unit_order is not None:
+            self._unit_order.before_backward()
         if self._unused is not None:
             self._unused.before_backward()
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._unused is not None and (self._sync_grads_each_micro_batch or not self._in_no_sync):
-            self._unused.after_backward()
+        if self._unit_order is not None:
+            self._unit_order.after_backward()
+        if self._sync_grads_each_micro_batch or not self._in_no_sync:  # this backward reduced gradients
+            if self._unused is not None:  # the units' digest travels in its record
+                self._unused.after_backward(order=self._unit_order)
+            elif self._unit_order is not None:  # torch < 2.13
+                self._unit_order.check(during="training")
 
     @property
     def skipped_steps(self) -> int:
@@ -874,6 +909,9 @@ class FSDP2Strategy(ParallelStrategy):
         if self._unused is not None:  # its hooks sit on the sharded module's gathered parameters
             self._unused.close()
             self._unused = None
+        if self._unit_order is not None:
+            self._unit_order.close()
+            self._unit_order = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
 

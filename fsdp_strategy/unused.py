@@ -17,8 +17,9 @@ gradients are put back to what they were before. Like DDP, a parameter counts as
 gradient in any micro-batch since the last reduction.
 
 When this rank used every parameter, nothing here can be unused on all ranks: it joins the all-reduce
-without waiting for it. The record travels over a gloo group on the host, so no CUDA synchronization
-is added.
+without waiting for it, unless the record also carries the digest of the units' forwards
+(:mod:`.unit_order`), which every rank must check before the optimizer step. The record travels over a
+gloo group on the host, so no CUDA synchronization is added.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from fsdp_strategy.unit_order import UnitOrder
 
 __all__ = ["UnusedParameters", "explain", "supported"]
 
@@ -85,19 +88,26 @@ class UnusedParameters:
         """Notes which gradients are ``None`` before a backward reduces into them."""
         self._none_before = [p.grad is None for p in self._sharded]
 
-    def after_backward(self) -> None:
-        """Agrees with every rank on the parameters no rank used, and gives them their gradient back."""
+    def after_backward(self, *, order: UnitOrder | None = None) -> None:
+        """Agrees with every rank on the parameters no rank used, and gives them their gradient back.
+
+        With ``order``, its digest travels in the same all-reduce, and a mismatch raises
+        :class:`~fsdp_strategy.unit_order.UnitMismatchError` on every rank (before any gradient is touched).
+        """
         self.wait()
-        local = [used or not p.requires_grad for used, p in zip(self._used, self._sharded)]
+        local = [int(used or not p.requires_grad) for used, p in zip(self._used, self._sharded)]
         self._used = [False] * len(self._sharded)
-        record = torch.tensor(local, dtype=torch.uint8)
+        record = torch.tensor(local + (order.fingerprint() if order is not None else []), dtype=torch.int64)
         work = dist.all_reduce(record, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if all(local):
+        if all(local) and order is None:
             self._pending = work
             return
         work.wait()
+        reduced = record.tolist()
+        if order is not None:
+            order.verify(reduced[len(local) :])
         none_before = self._none_before or [False] * len(self._sharded)
-        for index, used in enumerate(record.tolist()):
+        for index, used in enumerate(reduced[: len(local)]):
             if not used and none_before[index]:
                 self._sharded[index].grad = None
 

@@ -3,7 +3,9 @@
 Every scenario of ``integration_tests/dropin_worker.py`` runs under ``fsdp2`` and under its DDP
 reference in the same process pair: modules whose parameters go unused on some ranks against
 ``ddp_find_unused_parameters_true``; a module built with a different init on each rank and buffers
-updated in forward against ``ddp``; ``sync_batchnorm=True`` on the CPU against ``ddp``.
+updated in forward against ``ddp``; ``sync_batchnorm=True`` on the CPU against ``ddp``; experts that are
+units of their own and run on some ranks only, which must stop every rank with ``UnitMismatchError``
+before an optimizer step uses the damaged gradients (against DDP's parameters at that point).
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ import torch
 
 from integration_tests.conftest import max_relative_difference, torchrun
 
-UNUSED = ["moe", "moe_sgd", "moe_accumulate", "branch", "branch_sgd_accumulate"]
+UNUSED = ["moe", "moe_sgd", "moe_accumulate", "branch", "branch_sgd_accumulate", "gan", "experts_layer_fixed"]
 BUFFERS = ["bn", "bn_adamw_accumulate", "bn_manual"]
+# Each failing run and the DDP run of its first two steps, after which the units stop agreeing.
+MISMATCH = {
+    "experts_root": "experts_root_two_steps",
+    "experts_root_manual": "experts_root_manual_two_steps",
+    "experts_layer": "experts_layer_two_steps",
+    "experts_root_validate": None,
+}
 REFERENCE = {**{s: "ddp_find_unused_parameters_true" for s in UNUSED}, **{s: "ddp" for s in [*BUFFERS, "syncbn"]}}
 
 
@@ -25,6 +34,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp_path = tmp_path_factory.mktemp("dropin")
     out = tmp_path / "results.pt"
     runs = [f"{strategy}/{scenario}" for scenario, ddp in REFERENCE.items() for strategy in ("fsdp2", ddp)]
+    runs += [f"fsdp2/{scenario}" for scenario in MISMATCH]
+    runs += [f"ddp_find_unused_parameters_true/{steps}" for steps in MISMATCH.values() if steps is not None]
     torchrun("integration_tests.dropin_worker", ["--runs", ",".join(runs), "--out", str(out)], nproc=2, cwd=tmp_path)
     return torch.load(out)
 
@@ -59,3 +70,41 @@ def test_sync_batchnorm_converts_and_fails_on_the_cpu_as_under_ddp(results: dict
     assert reference["error"] == "ValueError: SyncBatchNorm layers only work with GPU modules"
     assert sharded == reference
     assert sharded["at_failure"] == ["SyncBatchNorm", "SyncBatchNorm"]
+
+
+UNITS_DISAGREE = (
+    "UnitMismatchError: Sharded units did not run on every rank the same number of times ({when}):\n"
+    "  '{prefix}experts.2' (Expert): once on rank 0, not on rank 1\n"
+    "  '{prefix}experts.3' (Expert): once on rank 1, not on rank 0\n"
+    "Each unit's forward all-gathers its parameters, and ranks pair collectives by the order in which they call them,"
+    " not by unit: another unit's all-gather stood in for a missing one, so {damage}. Every sharded unit must run"
+    " forward on every rank at every step, in the same order. Fix: {fix}"
+    ' (wrap_policy="auto" makes a unit of each child of an nn.ModuleList or nn.Sequential that holds two or more'
+    " modules of one class; an explicit wrap_policy chooses instead.)"
+)
+TRAINING = {"when": "since the last gradient reduction", "damage": "the gradients of this step are wrong (no optimizer step was taken with them)"}
+ROOT_FIX = "leave them out of the units, so that they belong to the root unit, which always runs: wrap_policy=['Block']."
+LAYER_FIX = "wrap the module that routes to them as the unit, not each of them: wrap_policy=['Block', 'MoEBlock']."
+
+
+@pytest.mark.parametrize(
+    ("scenario", "fields"),
+    [
+        ("experts_root", {"prefix": "", "fix": ROOT_FIX, **TRAINING}),
+        ("experts_root_manual", {"prefix": "", "fix": ROOT_FIX, **TRAINING}),
+        ("experts_layer", {"prefix": "moe.", "fix": LAYER_FIX, **TRAINING}),
+    ],
+)
+def test_units_that_run_on_some_ranks_only_stop_every_rank_before_the_step(results: dict, scenario: str, fields: dict) -> None:
+    # From the third batch on, each rank runs three of the four expert units: their all-gathers pair up
+    # silently. The parameters are DDP's after the two steps before (the third step was not taken).
+    failed, reference = results[f"fsdp2/{scenario}"], results[f"ddp_find_unused_parameters_true/{MISMATCH[scenario]}"]
+    assert failed["errors"] == [UNITS_DISAGREE.format(**fields)] * 2
+    assert failed["global_step"] == 2
+    assert max_relative_difference(failed["params"], reference["params"]) <= 1e-5
+
+
+def test_units_that_run_on_some_ranks_only_in_validation_stop_every_rank(results: dict) -> None:
+    failed = results["fsdp2/experts_root_validate"]
+    fields = {"when": "in this validation_step", "damage": "the outputs of this validation_step are wrong"}
+    assert failed["errors"] == [UNITS_DISAGREE.format(prefix="", fix=ROOT_FIX, **fields)] * 2

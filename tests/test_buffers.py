@@ -20,7 +20,7 @@ from fsdp_strategy.buffers import (
     module_buffers,
     sync_module_states,
 )
-from integration_tests.dropin_worker import RunningScale, TinyCNN, TinyMoE, image_loader, token_loader
+from fsdp_strategy.testing.dropin import RunningScale, TinyCNN, TinyMoE, image_loader, token_loader
 
 BROADCAST = torch.ops.c10d.broadcast_
 

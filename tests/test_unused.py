@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.unused import UnusedParameters, supported
-from integration_tests.dropin_worker import TinyMoE, token_loader
+from fsdp_strategy.testing.dropin import TinyMoE, token_loader
 
 
 class Branchy(nn.Module):

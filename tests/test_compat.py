@@ -1,0 +1,43 @@
+"""The private torch names of ``fsdp_strategy._compat`` do what the package relies on, on a real 1-rank gloo group."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from fsdp_strategy._compat import reduce_root_gradients_after
+
+
+class Critic(nn.Module):
+    """A manual training_step in miniature: the root's "forward" computes a loss and runs its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)  # a unit
+        self.critic = nn.Linear(4, 1)  # the root's own
+
+    def step(self, *, hooked: bool) -> None:
+        features = self.block(torch.ones(2, 4)).detach()  # no unit's output reaches the loss
+        loss = self.critic(features).pow(2).sum()
+        if hooked:
+            reduce_root_gradients_after(self, loss)
+        loss.backward()
+
+
+def critic_gradient(mesh, *, hooked: bool) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = Critic()
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    register_fsdp_forward_method(model, "step")
+    model.step(hooked=hooked)
+    model.reshard()
+    return model.critic.weight.grad
+
+
+def test_a_loss_from_the_roots_own_parameters_reduces_their_gradients(mesh) -> None:
+    assert critic_gradient(mesh, hooked=False) is None  # FSDP2 alone: left in the unsharded parameter
+    reduced = critic_gradient(mesh, hooked=True)
+    assert isinstance(reduced, DTensor) and reduced.full_tensor().abs().sum() > 0
