@@ -183,7 +183,12 @@ def _sharded_entries(source: Path | str, *, weights_only: bool) -> tuple[list[_E
     files, reader, metadata = _open_checkpoint(source, weights_only=weights_only)
     hyper_parameters = load_trainer_state(files, weights_only=weights_only).get("hyper_parameters") or {}
     head = f"{MODEL_KEY}."
-    keys = [key for key in metadata.state_dict_metadata if key.startswith(head)]
+    # The model's own order (save_pretrained splits in it): DCP's planner_data keeps the saved state dict's
+    # order, while state_dict_metadata lists the keys as the ranks' plans were merged.
+    saved_order = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    ordered = [key for key in saved_order if key in metadata.state_dict_metadata]
+    ordered += [key for key in metadata.state_dict_metadata if key not in saved_order]
+    keys = [key for key in ordered if key.startswith(head)]
     entries = []
     for key in keys:
         md = metadata.state_dict_metadata[key]
@@ -265,10 +270,10 @@ class _Slice(io.RawIOBase):
         if count <= 0:
             return 0
         self._stream.seek(self._offset + self._position)
-        data = self._stream.read(count)
-        buffer[: len(data)] = data
-        self._position += len(data)
-        return len(data)
+        # Straight into torch's buffer: a read() would hold a second copy of the block meanwhile.
+        read = self._stream.readinto(memoryview(buffer).cast("B")[:count])
+        self._position += read or 0
+        return read or 0
 
 
 def _file_entries(source: Path | str, *, weights_only: bool) -> tuple[list[_Entry], dict[str, Any], int]:
