@@ -243,6 +243,7 @@ def _read_rows(files: storage.CheckpointFiles, rows: list[tuple[Any, ...]], md: 
 
             raise damaged(files.name, relative, f"shard file '{relative}' holds no {expected} block at byte {offset}.")
         yield block
+        del block  # before the next block is read: the writer holds this one only while writing it
 
 
 class _Slice(io.RawIOBase):
