@@ -103,6 +103,20 @@ def test_a_remote_checkpoint_is_checked_loaded_and_consolidated_through_its_mani
         verify.verify_sharded_checkpoint(url)
 
 
+def test_save_checkpoint_to_a_url_and_fit_from_that_url(trainer_env, memory_dir):
+    trainer = fit(memory_dir, steps=2, kind="sharded")
+    url = f"{memory_dir}/explicit.ckpt"
+    trainer.save_checkpoint(url)
+    assert storage.read_manifest(url) is not None and not Path("memory:").exists()
+    saved = {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
+
+    trainer_env.fresh()
+    resumed = fit(f"{memory_dir}/resumed", steps=2, kind="sharded", ckpt_path=url)
+    assert resumed.ckpt_path == url and resumed.global_step == 2  # restored at step 2: no step left to train
+    params = resumed.lightning_module.state_dict()
+    assert all(torch.equal(params[k], saved[k]) for k in saved)
+
+
 def test_a_half_written_remote_checkpoint_is_invisible_and_its_prefix_is_removed_once_its_writer_is_gone(
     trainer_env, memory_dir
 ):
