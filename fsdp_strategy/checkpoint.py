@@ -125,8 +125,8 @@ def shard_writer(staging: Path | str) -> FileSystemWriter:
     return RemoteShardWriter(staging) if storage.is_url(staging) else ShardWriter(staging)
 
 
-class ShardWriter(FileSystemWriter):
-    """DCP's file writer, except that a failed write raises the ``OSError`` behind it.
+class _RaisingOSError:
+    """DCP's writers, except that a failed write raises the ``OSError`` behind it.
 
     torch's zip writer turns a failed ``write`` (a full disk) into ``RuntimeError: ... unexpected pos``,
     keeping the ``OSError`` only as its ``__context__``; DCP then pickles the failing rank's error to
@@ -135,23 +135,19 @@ class ShardWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         with _raising_os_error():
-            return super().write_data(plan, planner)
+            return super().write_data(plan, planner)  # type: ignore[misc]
 
     def finish(self, metadata: Any, results: Any) -> None:
         with _raising_os_error():
-            super().finish(metadata, results)
+            super().finish(metadata, results)  # type: ignore[misc]
 
 
-class RemoteShardWriter(FsspecWriter):
-    """:class:`ShardWriter` over fsspec (``s3://``, ``memory://``, ...)."""
+class ShardWriter(_RaisingOSError, FileSystemWriter):
+    """DCP's file writer for a local directory (see :class:`_RaisingOSError`)."""
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        with _raising_os_error():
-            return super().write_data(plan, planner)
 
-    def finish(self, metadata: Any, results: Any) -> None:
-        with _raising_os_error():
-            super().finish(metadata, results)
+class RemoteShardWriter(_RaisingOSError, FsspecWriter):
+    """DCP's writer over fsspec (``s3://``, ``memory://``, ...; see :class:`_RaisingOSError`)."""
 
 
 @contextmanager
