@@ -154,6 +154,11 @@ def export_safetensors(
         _write_atomically(target / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
     if config is not None:
         _write_atomically(target / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True).encode() + b"\n")
+    # As save_pretrained cleans the folder: weights of an earlier export left beside these would be loaded
+    # instead of them (from_pretrained takes model.safetensors before an index).
+    for name in os.listdir(target):
+        if _is_weights_file(name) and name not in names:
+            (target / name).unlink()
     return ExportSummary(
         target, list(split.filename_to_tensors), len(kept), sum(e.nbytes for e in kept), total - len(kept), config_origin
     )
@@ -370,10 +375,13 @@ def _check_output(target: Path, names: list[str], overwrite: bool) -> None:
         raise NotADirectoryError(f"{target} is a file; give the folder to write the safetensors files into")
     if overwrite or not target.is_dir():
         return
-    taken = sorted(name for name in os.listdir(target) if name in names or name in (SAFETENSORS_NAME, INDEX_NAME) or (
-        name.startswith("model-") and name.endswith(".safetensors")))
+    taken = sorted(name for name in os.listdir(target) if name in names or _is_weights_file(name))
     if taken:
         raise FileExistsError(f"{target} already holds {', '.join(taken)}; pass overwrite=True (--overwrite) to replace them")
+
+
+def _is_weights_file(name: str) -> bool:
+    return name in (SAFETENSORS_NAME, INDEX_NAME) or (name.startswith("model-") and name.endswith(".safetensors"))
 
 
 def _header(entries: list[_Entry]) -> bytes:

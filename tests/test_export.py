@@ -96,6 +96,19 @@ def test_bad_options_and_existing_files_are_named(sharded, tmp_path):
     assert "embed.weight" in read_back(tmp_path / "out")
 
 
+def test_an_overwriting_export_removes_the_weight_files_of_the_earlier_one(sharded, tmp_path):
+    out = tmp_path / "out"
+    export_safetensors(sharded, out, max_shard_size=300, progress=False)
+    export_safetensors(sharded, out, prefix="model.", overwrite=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    export_safetensors(sharded, out, max_shard_size=300, overwrite=True, progress=False)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names, names
+    (out / "notes.txt").write_text("kept")
+    export_safetensors(sharded, out, prefix="model.", overwrite=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+
+
 def test_the_command_exports_and_refuses_safetensors_options_for_a_lightning_file(sharded, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["consolidate", str(sharded), str(out), "--format", "safetensors", "--prefix", "model.", "--no-progress"]) == 0
