@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from fsdp_strategy import CheckpointError, FSDP2Strategy, consolidate_checkpoint, storage, verify
+from fsdp_strategy import CheckpointError, FSDP2Strategy, consolidate_checkpoint, export_safetensors, storage, verify
 from fsdp_strategy.last_checkpoint import find_last
 from fsdp_strategy.saving import remove_stale_staging, staging_token
 from fsdp_strategy.testing.models import TinyLM, token_loader
@@ -85,7 +85,7 @@ def test_top_k_and_last_on_a_url_resume_from_last_and_leave_one_shard_prefix_per
     assert [n for n in listing(memory_dir) if not n.startswith(".")] == ["epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
 
 
-def test_a_remote_checkpoint_is_checked_loaded_and_consolidated_through_its_manifest(trainer_env, memory_dir, tmp_path):
+def test_a_remote_checkpoint_is_checked_loaded_consolidated_and_exported_through_its_manifest(trainer_env, memory_dir, tmp_path):
     trainer = fit(memory_dir, steps=2, kind="sharded")
     url = f"{memory_dir}/last.ckpt"
     manifest = storage.read_manifest(url)
@@ -95,6 +95,11 @@ def test_a_remote_checkpoint_is_checked_loaded_and_consolidated_through_its_mani
     assert saved["global_step"] == 2
     params = trainer.lightning_module.state_dict()
     assert all(torch.equal(saved["state_dict"][k], params[k]) for k in params)
+    from safetensors.torch import load_file
+
+    exported = export_safetensors(url, tmp_path / "hf", progress=False)
+    weights = load_file(exported.path / "model.safetensors")
+    assert weights.keys() == params.keys() and all(torch.equal(weights[k], params[k]) for k in params)
 
     # A shard file lost from the prefix the manifest names: the error names the checkpoint's URL and the file.
     fs, data = storage.filesystem(storage.data_url(url, manifest))
