@@ -7,6 +7,7 @@ Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_o
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.consolidate import consolidate_checkpoint
+from fsdp_strategy.export import export_safetensors
 from fsdp_strategy.estimate import Estimate, estimate_module
 from fsdp_strategy.estimate_report import estimate
 from fsdp_strategy.guard import NonFiniteGradientError
@@ -34,6 +35,7 @@ __all__ = [
     "consolidate_checkpoint",
     "estimate",
     "estimate_module",
+    "export_safetensors",
 ]
 __version__ = "0.1.0"
 

@@ -15,6 +15,8 @@ from torch import nn
 
 __all__ = [
     "FakeTensorMode",
+    "FsspecReader",
+    "FsspecWriter",
     "ScriptLauncher",
     "TorchDispatchMode",
     "sync_ddp",
@@ -146,6 +148,11 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: 
 # `Strategy.reduce` must reduce exactly as DDPStrategy.reduce does ("mean" and the other string ops, groups);
 # Lightning implements that in this helper (Lightning >= 2.0), which DDPStrategy itself calls.
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp  # noqa: E402
+
+# DCP's storage reader and writer over fsspec (s3://, gs://, memory://, ...). torch ships them in
+# torch.distributed.checkpoint._fsspec_filesystem (torch >= 2.1, documented there); torch 2.13 no longer
+# re-exports them from torch.distributed.checkpoint.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
 
 def reduce_root_gradients_after(model: nn.Module, loss: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ optimizers under ``"optimizer_0"``, ..., trainer state in ``meta.pt``), so
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -28,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from fsdp_strategy import storage
+from fsdp_strategy._compat import FsspecWriter
 from fsdp_strategy.checkpoint_error import CheckpointError, damaged, refused
 from fsdp_strategy.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME, load_trainer_state, save_trainer_state
@@ -48,6 +51,8 @@ __all__ = [
     "os_error_in",
     "publish",
     "remove_path",
+    "replaced_data",
+    "shard_writer",
     "save_full_file",
     "save_sharded",
     "split_checkpoint",
@@ -59,7 +64,13 @@ MODEL_KEY = "model"
 PARTIAL_PREFIX = ".partial-"
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
+def is_sharded_checkpoint(path: Path | str) -> bool:
+    if storage.is_url(path):
+        try:
+            return storage.read_manifest(str(path)) is not None
+        except FileNotFoundError:
+            return False
+    path = Path(path)
     return path.is_dir() and (path / METADATA_FILENAME).is_file()
 
 
@@ -76,13 +87,16 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, *, full: bool) -> di
     return state
 
 
-def staging_path(path: Path, token: str) -> Path:
+def staging_path(path: Path | str, token: str) -> Path | str:
     """Where a checkpoint is written before it becomes visible as ``path``.
 
     Hidden, and without the word "last", so that neither a directory listing nor Lightning's
-    ``ckpt_path="last"`` lookup ever takes a half-written checkpoint.
+    ``ckpt_path="last"`` lookup ever takes a half-written checkpoint. On a URL, the prefix that keeps the
+    shards for good, which the manifest written under ``path`` names (see :mod:`fsdp_strategy.storage`).
     """
-    return path.parent / f"{PARTIAL_PREFIX}{token}"
+    if storage.is_url(path):
+        return storage.join(storage.parent(str(path)), f"{storage.DATA_PREFIX}{token}")
+    return Path(path).parent / f"{PARTIAL_PREFIX}{token}"
 
 
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -93,7 +107,7 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return tensors, rest
 
 
-def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
+def save_sharded(staging: Path | str, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
     """Every rank writes its shards into ``staging``; then rank 0 writes the trainer state to ``meta.pt``.
 
     When this returns on rank 0, every rank has written its shards: DCP's coordinator writes
@@ -101,13 +115,18 @@ def save_sharded(staging: Path, checkpoint: dict[str, Any], *, is_rank_zero: boo
     rank by DCP (as ``CheckpointException``), so rank 0 writes ``meta.pt`` only after all shards are in.
     """
     tensors, rest = split_checkpoint(checkpoint)
-    dcp.save(tensors, storage_writer=ShardWriter(staging))
+    dcp.save(tensors, storage_writer=shard_writer(staging))
     if is_rank_zero:
         save_trainer_state(staging, rest)
 
 
-class ShardWriter(FileSystemWriter):
-    """DCP's file writer, except that a failed write raises the ``OSError`` behind it.
+def shard_writer(staging: Path | str) -> FileSystemWriter:
+    """DCP's writer for the staging location: a local directory, or a prefix behind a URL."""
+    return RemoteShardWriter(staging) if storage.is_url(staging) else ShardWriter(staging)
+
+
+class _RaisingOSError:
+    """DCP's writers, except that a failed write raises the ``OSError`` behind it.
 
     torch's zip writer turns a failed ``write`` (a full disk) into ``RuntimeError: ... unexpected pos``,
     keeping the ``OSError`` only as its ``__context__``; DCP then pickles the failing rank's error to
@@ -116,11 +135,19 @@ class ShardWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         with _raising_os_error():
-            return super().write_data(plan, planner)
+            return super().write_data(plan, planner)  # type: ignore[misc]
 
     def finish(self, metadata: Any, results: Any) -> None:
         with _raising_os_error():
-            super().finish(metadata, results)
+            super().finish(metadata, results)  # type: ignore[misc]
+
+
+class ShardWriter(_RaisingOSError, FileSystemWriter):
+    """DCP's file writer for a local directory (see :class:`_RaisingOSError`)."""
+
+
+class RemoteShardWriter(_RaisingOSError, FsspecWriter):
+    """DCP's writer over fsspec (``s3://``, ``memory://``, ...; see :class:`_RaisingOSError`)."""
 
 
 @contextmanager
@@ -146,12 +173,17 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-def publish(staging: Path, path: Path) -> None:
+def publish(staging: Path | str, path: Path | str) -> None:
     """Rank 0: gives a completely written checkpoint its final name, replacing an older one at that name.
 
     The older checkpoint is renamed aside first (``<name>.previous``), then removed once the new
-    one is in place, so a crash at any moment leaves a complete checkpoint behind.
+    one is in place, so a crash at any moment leaves a complete checkpoint behind. On a URL the name
+    is a manifest naming ``staging``, written in one go; the older checkpoint's files are removed after.
     """
+    if storage.is_url(path):
+        _publish_remote(str(staging), str(path))
+        return
+    path, staging = Path(path), Path(staging)
     previous = path.with_name(path.name + ".previous")
     if path.exists():
         remove_path(previous)
@@ -160,14 +192,48 @@ def publish(staging: Path, path: Path) -> None:
     remove_path(previous)
 
 
-def save_full_file(path: Path, checkpoint: dict[str, Any], token: str) -> None:
+def _publish_remote(staging: str, path: str) -> None:
+    try:
+        older = storage.read_manifest(path)
+    except FileNotFoundError:
+        older = None
+    storage.write_manifest(path, storage.name(staging))
+    if older is not None:
+        replaced = storage.data_url(path, older)
+        if replaced.rstrip("/") != staging.rstrip("/"):
+            storage.remove_data(replaced)
+
+
+def replaced_data(path: Path | str) -> str | None:
+    """The files of the sharded checkpoint that a new checkpoint at the URL ``path`` replaces (``None``: none)."""
+    if not storage.is_url(path):
+        return None
+    try:
+        older = storage.read_manifest(str(path))
+    except FileNotFoundError:
+        return None
+    return None if older is None else storage.data_url(str(path), older)
+
+
+def save_full_file(path: Path | str, checkpoint: dict[str, Any], token: str) -> None:
     """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place.
 
     The directory is created as Lightning's ``TorchCheckpointIO`` creates it; a failed write removes
-    its staging file and leaves any older checkpoint at ``path`` as it was.
+    its staging file and leaves any older checkpoint at ``path`` as it was. On a URL the file is written
+    as DDP writes it there (Lightning's ``TorchCheckpointIO``: one upload, which replaces an older object
+    at once); the files of a sharded checkpoint it replaces are removed after.
     """
+    if storage.is_url(path):
+        from lightning.fabric.plugins import TorchCheckpointIO  # what DDP writes files on URLs with
+
+        replaced = replaced_data(path)
+        TorchCheckpointIO().save_checkpoint(checkpoint, str(path))
+        if replaced is not None:
+            storage.remove_data(replaced)
+        return
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_path(path, token)
+    staging = Path(staging_path(path, token))
     try:
         with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
             torch.save(checkpoint, file)
@@ -182,7 +248,11 @@ def save_full_file(path: Path, checkpoint: dict[str, Any], token: str) -> None:
         os.replace(staging, path)
 
 
-def remove_path(path: Path) -> None:
+def remove_path(path: Path | str) -> None:
+    if storage.is_url(path):
+        storage.remove(str(path))
+        return
+    path = Path(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -190,63 +260,82 @@ def remove_path(path: Path) -> None:
 
 
 def load_sharded(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool = True
+    path: Path | str | storage.CheckpointFiles,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state.
 
     Call :func:`fsdp_strategy.verify.verify_sharded_checkpoint` first (with the same ``weights_only``):
-    DCP itself unpickles its metadata and non-tensor entries without restrictions.
+    DCP itself unpickles its metadata and non-tensor entries without restrictions. ``path`` may be a URL
+    (its manifest is followed) or the :class:`~fsdp_strategy.storage.CheckpointFiles` of one.
     """
+    files = storage.checkpoint_files(path)
     model_state_dict = get_model_state_dict(model)
-    check_model_matches(path, model_state_dict, strict=strict, metadata=read_dcp_metadata(path))
-    trainer_state = load_trainer_state(path, weights_only=weights_only)
+    check_model_matches(files, model_state_dict, strict=strict, metadata=read_dcp_metadata(files))
+    trainer_state = load_trainer_state(files, weights_only=weights_only)
     tensors: dict[str, Any] = {MODEL_KEY: model_state_dict}
     tensors.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
-    dcp.load(tensors, checkpoint_id=path)
+    dcp.load(tensors, storage_reader=files.reader())
     set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, tensors[f"optimizer_{i}"])
     return trainer_state
 
 
-def read_full_checkpoint(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+def read_full_checkpoint(path: Path | str, *, weights_only: bool | None) -> dict[str, Any]:
     """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.checkpoint_error.CheckpointError`."""
     return require_state_dict(_load_file(path, weights_only=weights_only), path)
 
 
-def require_state_dict(checkpoint: Any, path: Path) -> dict[str, Any]:
+def require_state_dict(checkpoint: Any, path: Path | str) -> dict[str, Any]:
     """``checkpoint`` if it is a Lightning checkpoint (a dict with a ``state_dict``); else a named error."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise CheckpointError(
-            f"Checkpoint '{path}' is not a Lightning checkpoint: '{path.name}' has no 'state_dict' entry.",
+            f"Checkpoint '{path}' is not a Lightning checkpoint: '{_file_name(path)}' has no 'state_dict' entry.",
             checkpoint=path,
-            file=path.name,
+            file=_file_name(path),
         )
     return checkpoint
 
 
-def _load_file(path: Path, *, weights_only: bool | None) -> Any:
-    """``torch.load`` of one checkpoint file, memory-mapped, with damaged and untrusted files named."""
-    if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+def _file_name(path: Path | str) -> str:
+    return Path(path).name if isinstance(path, Path) else storage.name(path)
+
+
+def _load_file(path: Path | str, *, weights_only: bool | None) -> Any:
+    """``torch.load`` of one checkpoint file (memory-mapped when local), with damaged and untrusted files named."""
+    name = _file_name(path)
+    if storage.is_url(path):
+        fs, remote = storage.filesystem(str(path))
+        if not fs.isfile(remote):
+            raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+        load = lambda: torch.load(io.BytesIO(fs.cat_file(remote)), map_location="cpu", weights_only=weights_only)  # noqa: E731
+    else:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+        load = lambda: torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)  # noqa: E731
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return load()
     except pickle.UnpicklingError as exc:
         detail = (
-            f"'{path.name}' contains objects that are not plain data, so it was not unpickled. If you trust this"
+            f"'{name}' contains objects that are not plain data, so it was not unpickled. If you trust this"
             " file, pass `trainer.fit(..., weights_only=False)`."
         )
-        raise refused(path, path.name, detail) from exc
+        raise refused(path, name, detail) from exc
     except Exception as exc:
         detail = (
-            f"'{path.name}' is not a complete checkpoint file (truncated, or not written by torch.save):"
+            f"'{name}' is not a complete checkpoint file (truncated, or not written by torch.save):"
             f" {type(exc).__name__}."
         )
-        raise damaged(path, path.name, detail) from exc
+        raise damaged(path, name, detail) from exc
 
 
 def load_full(
-    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, path: Path
+    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, path: Path | str
 ) -> None:
     """Loads a single-file Lightning checkpoint (from DDP, one device, or ``state_dict_type="full"``)."""
     compare_keys(
@@ -254,7 +343,7 @@ def load_full(
         state_dict_shapes(checkpoint["state_dict"]),
         checkpoint=path,
         strict=strict,
-        file=path.name,
+        file=_file_name(path),
     )
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint["state_dict"], options=options)
@@ -266,7 +355,7 @@ def load_full(
         set_optimizer_state_dict(model, opt, by_name, options=options if has_tensors else StateDictOptions(strict=strict))
 
 
-def read_full_weights(path: Path) -> dict[str, Any]:
+def read_full_weights(path: Path | str) -> dict[str, Any]:
     """The model weights in a full checkpoint file: a Lightning checkpoint's ``state_dict``, or a plain state dict.
 
     Memory-mapped, so the file is paged in tensor by tensor as it is broadcast, not read whole.

@@ -8,6 +8,7 @@ all; it is public as ``fsdp_strategy.CheckpointError``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 __all__ = ["CheckpointError", "damaged", "first_line", "read_checkpoint_file", "refused"]
 
@@ -18,32 +19,35 @@ class CheckpointError(ValueError):
     The message names the checkpoint directory and the file at fault; both are also attributes.
     """
 
-    def __init__(self, message: str, *, checkpoint: Path | None = None, file: str | None = None) -> None:
+    def __init__(self, message: str, *, checkpoint: Path | str | None = None, file: str | None = None) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
         self.file = file
 
 
-def damaged(checkpoint: Path, file: str, detail: str) -> CheckpointError:
+def damaged(checkpoint: Path | str, file: str, detail: str) -> CheckpointError:
     return CheckpointError(f"Checkpoint '{checkpoint}' is damaged: {detail}", checkpoint=checkpoint, file=file)
 
 
-def refused(checkpoint: Path, file: str, detail: str) -> CheckpointError:
+def refused(checkpoint: Path | str, file: str, detail: str) -> CheckpointError:
     return CheckpointError(f"Checkpoint '{checkpoint}' is refused: {detail}", checkpoint=checkpoint, file=file)
 
 
-def read_checkpoint_file(checkpoint: Path, name: str) -> bytes:
-    """The bytes of the file ``name`` of the checkpoint directory; a missing, unreadable or empty one is damaged."""
-    file = checkpoint / name
-    if not file.is_file():
-        detail = "is not a file" if file.exists() else "is missing"
-        raise damaged(checkpoint, name, f"'{name}' {detail} (a save that was interrupted leaves the directory so).")
+def read_checkpoint_file(checkpoint: Any, name: str) -> bytes:
+    """The bytes of the file ``name`` of a checkpoint directory (a path, a URL or its
+    :class:`~fsdp_strategy.storage.CheckpointFiles`); a missing, unreadable or empty one is damaged."""
+    from fsdp_strategy.storage import checkpoint_files
+
+    files = checkpoint_files(checkpoint)
+    if not files.is_file(name):
+        detail = "is not a file" if files.exists(name) else "is missing"
+        raise damaged(files.name, name, f"'{name}' {detail} (a save that was interrupted leaves the directory so).")
     try:
-        data = file.read_bytes()
+        data = files.read_bytes(name)
     except OSError as error:
-        raise damaged(checkpoint, name, f"'{name}' cannot be read ({type(error).__name__}: {error}).") from error
+        raise damaged(files.name, name, f"'{name}' cannot be read ({type(error).__name__}: {error}).") from error
     if not data:
-        raise damaged(checkpoint, name, f"'{name}' is empty (0 bytes).")
+        raise damaged(files.name, name, f"'{name}' is empty (0 bytes).")
     return data
 
 

@@ -30,16 +30,32 @@ def _env(_: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from fsdp_strategy.consolidate import _consolidate as consolidate
+    from fsdp_strategy.export import export_safetensors
 
     try:
-        summary = consolidate(
-            args.checkpoint_dir,
-            args.output_file,
-            overwrite=args.overwrite,
-            progress=args.progress,
-            weights_only=args.weights_only,
-        )
-    except (OSError, ValueError) as exc:  # a missing, foreign or damaged checkpoint; an existing output; disk full
+        if args.format == "safetensors":
+            summary: Any = export_safetensors(
+                args.checkpoint_dir,
+                args.output_file,
+                prefix=args.prefix or "",
+                max_shard_size=args.max_shard_size or "5GB",
+                config_from=args.config_from,
+                overwrite=args.overwrite,
+                progress=args.progress,
+                weights_only=args.weights_only,
+            )
+        else:
+            for option, value in (("--prefix", args.prefix), ("--max-shard-size", args.max_shard_size), ("--config-from", args.config_from)):
+                if value is not None:
+                    raise ValueError(f"{option} is an option of --format safetensors; got {value!r} with --format lightning")
+            summary = consolidate(
+                args.checkpoint_dir,
+                args.output_file,
+                overwrite=args.overwrite,
+                progress=args.progress,
+                weights_only=args.weights_only,
+            )
+    except (ImportError, OSError, TypeError, ValueError) as exc:  # a missing, foreign or damaged checkpoint; an existing output; disk full
         message = " ".join(str(exc).split())
         print(f"fsdp-strategy consolidate: error: {message}", file=sys.stderr)
         return 2
@@ -229,11 +245,22 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate = commands.add_parser(
         "consolidate",
         help="write a sharded checkpoint directory as one ordinary Lightning checkpoint file",
-        description="Reads a sharded checkpoint directory (saved by FSDP2Strategy) in one process, tensor by tensor,"
-        " and writes one Lightning checkpoint file that loads with any strategy or none.",
+        description="Reads a sharded checkpoint (saved by FSDP2Strategy) in one process, tensor by tensor, and writes"
+        " one Lightning checkpoint file that loads with any strategy or none, or (--format safetensors) the model's"
+        " weights as Hugging Face safetensors that from_pretrained loads.",
     )
-    consolidate.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="the sharded checkpoint directory")
-    consolidate.add_argument("output_file", metavar="OUT_FILE", help="the checkpoint file to write")
+    consolidate.add_argument("checkpoint_dir", metavar="CKPT", help="the sharded checkpoint (a directory or a URL such as"
+                             " s3://bucket/run/last.ckpt); with --format safetensors also a checkpoint file")
+    consolidate.add_argument("output_file", metavar="OUT", help="the checkpoint file to write (--format safetensors: the folder)")
+    consolidate.add_argument("--format", choices=("lightning", "safetensors"), default="lightning",
+                             help="lightning: one Lightning checkpoint file (default); safetensors: the model's weights"
+                             " as save_pretrained writes them, for from_pretrained")
+    consolidate.add_argument("--prefix", help="safetensors: keep the weights under this LightningModule attribute and"
+                             " strip it, e.g. 'model.' for self.model = AutoModelForCausalLM...")
+    consolidate.add_argument("--max-shard-size", help="safetensors: split into files of at most this size with an index"
+                             " file, as save_pretrained does (default: 5GB)")
+    consolidate.add_argument("--config-from", metavar="PATH", help="safetensors: config.json (or a folder holding it) to"
+                             " write beside the weights; default: a config found in the checkpoint's hyper-parameters")
     consolidate.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
     consolidate.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     consolidate.add_argument(

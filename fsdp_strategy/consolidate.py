@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fsdp_strategy import storage
 from fsdp_strategy.checkpoint import MODEL_KEY
 from fsdp_strategy.dcp_metadata import DCP_METADATA_FILENAME, read_dcp_metadata
 from fsdp_strategy.sizes import format_bytes
@@ -80,8 +81,16 @@ def consolidate_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     weights_only: bool = True,
+    format: str = "lightning",
+    prefix: str | None = None,
+    max_shard_size: int | str | None = None,
+    config_from: Any = None,
 ) -> Path:
     """Writes the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``output_file``.
+
+    With ``format="safetensors"``, ``output_file`` is a folder that receives the model's weights as
+    ``save_pretrained`` writes them, for ``from_pretrained``: see :func:`fsdp_strategy.export.export_safetensors`
+    for ``prefix``, ``max_shard_size`` and ``config_from`` (options of that format only).
 
     Runs in one process and needs no process group. The file is written under a temporary name in the
     same folder and renamed when complete, so a failure never leaves a partial ``output_file``.
@@ -109,6 +118,24 @@ def consolidate_checkpoint(
         FileExistsError: ``output_file`` exists and ``overwrite`` is false.
         IsADirectoryError: ``output_file`` is a directory.
     """
+    if format == "safetensors":
+        from fsdp_strategy.export import export_safetensors
+
+        return export_safetensors(
+            checkpoint_dir,
+            output_file,
+            prefix=prefix or "",
+            max_shard_size="5GB" if max_shard_size is None else max_shard_size,
+            config_from=config_from,
+            overwrite=overwrite,
+            progress=progress,
+            weights_only=weights_only,
+        ).path
+    if format != "lightning":
+        raise ValueError(f"`format` must be 'lightning' (one checkpoint file) or 'safetensors'; got {format!r}.")
+    for option, value in (("prefix", prefix), ("max_shard_size", max_shard_size), ("config_from", config_from)):
+        if value is not None:
+            raise ValueError(f"`{option}` is an option of format='safetensors'; got {value!r} with format='lightning'.")
     return _consolidate(checkpoint_dir, output_file, overwrite=overwrite, progress=progress, weights_only=weights_only).path
 
 
@@ -121,10 +148,10 @@ def _consolidate(
     weights_only: bool = True,
 ) -> _Summary:
     """:func:`consolidate_checkpoint`, returning what was written (for the ``consolidate`` command)."""
-    source, target = Path(checkpoint_dir), Path(output_file)
-    reader, metadata = _open_checkpoint(source, weights_only=weights_only)
+    source, target = storage.location(checkpoint_dir), Path(output_file)
+    files, reader, metadata = _open_checkpoint(source, weights_only=weights_only)
     _check_output(target, overwrite)
-    trainer_state = load_trainer_state(source, weights_only=weights_only)
+    trainer_state = load_trainer_state(files, weights_only=weights_only)
 
     tensor_keys = [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
@@ -156,30 +183,31 @@ def _consolidate(
 # --- reading the directory ----------------------------------------------------------------------------
 
 
-def _open_checkpoint(source: Path, *, weights_only: bool) -> tuple[FileSystemReader, Metadata]:
-    if not source.exists():
-        raise FileNotFoundError(f"checkpoint directory {source} does not exist")
-    if not source.is_dir():
-        raise ValueError(
-            f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
-        )
-    index = source / DCP_METADATA_FILENAME
-    if not index.is_file():
+def _open_checkpoint(source: Path | str, *, weights_only: bool) -> tuple[storage.CheckpointFiles, Any, Metadata]:
+    if isinstance(source, Path):
+        if not source.exists():
+            raise FileNotFoundError(f"checkpoint directory {source} does not exist")
+        if not source.is_dir():
+            raise ValueError(
+                f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
+            )
+    files = storage.checkpoint_files(source)  # a URL: its manifest, read once
+    if not files.is_file(DCP_METADATA_FILENAME):
         raise ValueError(
             f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file"
             " (the Distributed Checkpoint index)"
         )
-    if not (source / TRAINER_STATE_FILENAME).is_file():
+    if not files.is_file(TRAINER_STATE_FILENAME):
         raise ValueError(
             f"{source} is not a sharded Lightning checkpoint: it has no {TRAINER_STATE_FILENAME} file"
             " (the trainer state)"
         )
     # Shard files present and long enough, non-tensor entries and meta.pt loadable: CheckpointError otherwise.
-    verify_sharded_checkpoint(source, weights_only=weights_only)
-    metadata = read_dcp_metadata(source)  # not FileSystemReader.read_metadata(): that is pickle.load
-    reader = FileSystemReader(source)
+    verify_sharded_checkpoint(files, weights_only=weights_only)
+    metadata = read_dcp_metadata(files)  # not the reader's read_metadata(): that is pickle.load
+    reader = files.reader()
     reader.set_up_storage_reader(metadata, True)
-    return reader, metadata
+    return files, reader, metadata
 
 
 class _CheckedPlanner(DefaultLoadPlanner):

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_strategy._compat import get_layout
 from fsdp_strategy.checkpoint_error import damaged, first_line, read_checkpoint_file
+from fsdp_strategy.storage import checkpoint_files
 
 __all__ = ["DCP_METADATA_FILENAME", "read_dcp_metadata"]
 
@@ -75,11 +76,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent IDs are not used by DCP metadata")
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    """DCP's ``Metadata`` of the checkpoint directory ``path``, unpickled without running code stored in it."""
-    path = Path(path)
-    name = DCP_METADATA_FILENAME
-    data = read_checkpoint_file(path, name)
+def read_dcp_metadata(checkpoint: Any) -> Metadata:
+    """DCP's ``Metadata`` of the checkpoint directory ``checkpoint`` (a path, a URL or its
+    :class:`~fsdp_strategy.storage.CheckpointFiles`), unpickled without running code stored in it."""
+    files = checkpoint_files(checkpoint)
+    path, name = files.name, DCP_METADATA_FILENAME
+    data = read_checkpoint_file(files, name)
     not_dcp = f"'{name}' is not a Distributed Checkpoint metadata file"
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_strategy import storage
 from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.policy import ModulePolicy, PolicyInput, normalize_policy
 
@@ -40,7 +41,7 @@ class Options:
     meta_init: bool
     state_dict_type: str
     async_save: bool
-    init_weights: Path | None
+    init_weights: Path | str | None
     process_group_backend: str | None
     timeout: timedelta
 
@@ -104,7 +105,9 @@ def check_options(
     if init_weights is not None:
         if not isinstance(init_weights, (str, Path)):
             raise TypeError(f"`init_weights` must be a file path (str) or None; got {init_weights!r}.")
-        if not Path(init_weights).is_file():
+        # A URL is read (and its absence reported on every rank) by rank 0 in setup: checking it here would
+        # reach the object store from every process that builds a strategy.
+        if not storage.is_url(init_weights) and not Path(init_weights).is_file():
             raise ValueError(f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file.")
     return Options(
         wrap_policy=normalize_policy(wrap_policy, option="wrap_policy"),
@@ -122,7 +125,7 @@ def check_options(
         meta_init=meta_init,
         state_dict_type=state_dict_type,
         async_save=async_save,
-        init_weights=None if init_weights is None else Path(init_weights),
+        init_weights=None if init_weights is None else storage.location(init_weights),
         process_group_backend=process_group_backend,
         timeout=_as_timedelta(timeout),
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import posixpath
 import shutil
 import socket
 import time
@@ -34,6 +35,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy import checkpoint as ckpt
+from fsdp_strategy import storage
 from fsdp_strategy.background import SAVE_ERRORS, BackgroundSave, snapshot
 from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.trainer_state import check_trainer_state, write_trainer_state
@@ -89,16 +91,20 @@ def _host_id() -> str:
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
-def remove_stale_staging(directory: Path) -> list[Path]:
+def remove_stale_staging(directory: Path | str) -> list[Path | str]:
     """Removes the staging entries in ``directory`` that crashed runs left; warns about those it cannot judge.
 
     An entry is removed when its writer was a process of this machine that no longer runs and it
     was last changed before this process started, so that a save in progress (of this job or of
     another one writing into the same directory) is never touched. Entries written on another
     machine, or named by an older version, are kept and named in a warning if they are older than
-    this process. Returns the removed entries; never raises.
+    this process. On a URL the entries are the shard prefixes that no manifest names (see
+    :mod:`fsdp_strategy.storage`). Returns the removed entries; never raises.
     """
-    removed, unknown = [], []
+    if storage.is_url(directory):
+        return _remove_stale_remote(str(directory))
+    removed: list[Path | str] = []
+    unknown = []
     try:
         entries = [e for e in Path(directory).iterdir() if e.name.startswith(ckpt.PARTIAL_PREFIX)]
     except OSError:
@@ -117,19 +123,75 @@ def remove_stale_staging(directory: Path) -> list[Path]:
             continue
         except OSError as error:
             warnings.warn(f"Could not remove the staging entry '{entry}' that an earlier save left: {error}.", stacklevel=2)
-    if unknown:
-        names = ", ".join(f"'{e.name}'" for e in sorted(unknown))
-        warnings.warn(
-            f"'{directory}' holds staging entries of checkpoint saves that did not finish: {names}. They were"
-            " written on another machine or by an older version, so they are kept in case their job is still"
-            " saving; delete them once no job writes into this directory.",
-            stacklevel=2,
-        )
+    _warn_unknown(directory, [e.name for e in unknown])
     return removed
 
 
+def _warn_unknown(directory: Path | str, names: list[str]) -> None:
+    if names:
+        shown = ", ".join(f"'{name}'" for name in sorted(names))
+        warnings.warn(
+            f"'{directory}' holds staging entries of checkpoint saves that did not finish: {shown}. They were"
+            " written on another machine or by an older version, so they are kept in case their job is still"
+            " saving; delete them once no job writes into this directory.",
+            stacklevel=3,
+        )
+
+
+def _remove_stale_remote(directory: str) -> list[Path | str]:
+    """The shard prefixes in ``directory`` that no manifest names, whose writer was a process of this
+    machine that no longer runs, unchanged since before this process started."""
+    try:
+        fs, root = storage.filesystem(directory)
+        fs.invalidate_cache()
+        entries = fs.ls(root, detail=True)
+    except (OSError, ValueError):
+        return []
+    names = {posixpath.basename(e["name"].rstrip("/")): e for e in entries}
+    staged = [name for name in names if name.startswith(storage.DATA_PREFIX)]
+    if not staged:
+        return []
+    referenced = set()
+    for name, entry in names.items():
+        if entry.get("type") == "file" and not name.startswith("."):
+            try:
+                manifest = storage.read_manifest(storage.join(directory, name))
+            except (OSError, ValueError):
+                continue
+            if manifest is not None:
+                referenced.add(manifest.get("data"))
+    removed: list[Path | str] = []
+    unknown = []
+    for name in staged:
+        if name in referenced:
+            continue
+        url = storage.join(directory, name)
+        try:
+            stamps = [info.get("LastModified") or info.get("mtime") or info.get("created") for info in fs.find(storage.filesystem(url)[1], detail=True).values()]
+            newest = max((_timestamp(stamp) for stamp in stamps if stamp is not None), default=0.0)
+            if newest >= _PROCESS_START:
+                continue
+            owner = _owner(name)
+            if owner is None or owner[0] != _host_id():
+                unknown.append(name)
+            elif not _process_runs(owner[1]):
+                storage.remove_data(url)
+                removed.append(url)
+        except (OSError, ValueError) as error:
+            warnings.warn(f"Could not remove the staging entry '{url}' that an earlier save left: {error}.", stacklevel=2)
+    _warn_unknown(directory, unknown)
+    return removed
+
+
+def _timestamp(stamp: Any) -> float:
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+
 def _owner(name: str) -> tuple[str, int] | None:
-    parts = name[len(ckpt.PARTIAL_PREFIX) :].split("-")
+    prefix = next((p for p in (ckpt.PARTIAL_PREFIX, storage.DATA_PREFIX) if name.startswith(p)), None)
+    if prefix is None:
+        return None
+    parts = name[len(prefix) :].split("-")
     if len(parts) != 3 or not parts[1].isdigit():
         return None
     return parts[0], int(parts[1])
@@ -165,7 +227,7 @@ def attempt(action: Callable[[], Any]) -> BaseException | None:
     return None
 
 
-def describe_failure(error: BaseException, *, checkpoint: Path, rank: int) -> tuple[str, int | None]:
+def describe_failure(error: BaseException, *, checkpoint: Path | str, rank: int) -> tuple[str, int | None]:
     """What went wrong in a save, as one clause naming the cause and the failing rank, and its errno.
 
     A ``CheckpointException`` from DCP carries every failing rank's error; the first one is described.
@@ -174,8 +236,8 @@ def describe_failure(error: BaseException, *, checkpoint: Path, rank: int) -> tu
     if isinstance(error, CheckpointException) and error.failures:
         failing_rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
     os_error = ckpt.os_error_in(cause)
-    where = checkpoint.parent
-    free = _free_bytes(where) if os_error is None else None
+    where = storage.parent(checkpoint) if storage.is_url(checkpoint) else Path(checkpoint).parent
+    free = _free_bytes(where) if os_error is None and isinstance(where, Path) else None
     if os_error is None and free is not None and free < _NEARLY_FULL_BYTES:
         hidden = f"{type(cause).__name__}: {_first_line(cause)}"
         return (
@@ -190,7 +252,12 @@ def describe_failure(error: BaseException, *, checkpoint: Path, rank: int) -> tu
 
 
 def settle(
-    error: BaseException | None, *, checkpoint: Path, staging: Path | None, rank: int, plugin: str | None = None
+    error: BaseException | None,
+    *,
+    checkpoint: Path | str,
+    staging: Path | str | None,
+    rank: int,
+    plugin: str | None = None,
 ) -> None:
     """Every rank, once its part of a save is done: raises on every rank if any rank failed.
 
@@ -216,13 +283,13 @@ def settle(
     raise CheckpointSaveError(f"Could not save checkpoint '{checkpoint}': {message}.{suffix}", checkpoint=checkpoint, errno=code) from error
 
 
-def _report(error: BaseException, *, checkpoint: Path, rank: int, plugin: str | None) -> tuple[str, int | None]:
+def _report(error: BaseException, *, checkpoint: Path | str, rank: int, plugin: str | None) -> tuple[str, int | None]:
     if plugin is not None:
         return f"the CheckpointIO plugin {plugin} raised {type(error).__name__} on rank {rank}: {_first_line(error)}", None
     return describe_failure(error, checkpoint=checkpoint, rank=rank)
 
 
-def _discard(staging: Path) -> None:
+def _discard(staging: Path | str) -> None:
     # Every rank removes the entry (on node-local disks each holds its own), so a peer may be
     # removing the same files at the same time.
     for _ in range(3):
@@ -255,7 +322,7 @@ def _first_line(error: BaseException) -> str:
 
 def save_sharded(
     checkpoint: dict[str, Any],
-    path: Path,
+    path: Path | str,
     token: str,
     *,
     rank: int,
@@ -277,12 +344,12 @@ def save_sharded(
         return
     # Tensors are copied to host memory before async_save returns, and the trainer state is pickled
     # already (the bytes written to meta.pt); training may change both after.
-    future = dcp.async_save(tensors, storage_writer=ckpt.ShardWriter(staging), process_group=group())
+    future = dcp.async_save(tensors, storage_writer=ckpt.shard_writer(staging), process_group=group())
     finish = (lambda: (write_trainer_state(staging, trainer_state_data), ckpt.publish(staging, path))) if rank == 0 else None
     background.submit(future, checkpoint=path, staging=staging, then=finish)
 
 
-def _save_and_publish(staging: Path, path: Path, checkpoint: dict[str, Any], *, rank: int) -> None:
+def _save_and_publish(staging: Path | str, path: Path | str, checkpoint: dict[str, Any], *, rank: int) -> None:
     ckpt.save_sharded(staging, checkpoint, is_rank_zero=rank == 0)
     if rank == 0:
         ckpt.publish(staging, path)
@@ -290,7 +357,7 @@ def _save_and_publish(staging: Path, path: Path, checkpoint: dict[str, Any], *, 
 
 def save_full(
     checkpoint: dict[str, Any],
-    path: Path,
+    path: Path | str,
     token: str,
     *,
     rank: int,
@@ -312,7 +379,7 @@ def save_full(
 
 
 def save_through(
-    plugin: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, *, path: Path, rank: int
+    plugin: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, *, path: Path | str, rank: int
 ) -> None:
     """Rank 0 hands the checkpoint to a ``CheckpointIO`` plugin, as DDP does; every rank settles the outcome."""
     save = lambda: plugin.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
@@ -357,5 +424,5 @@ def check_checkpoint_io(plugin: CheckpointIO, *, sharded: bool, async_save: bool
 def remover(plugin: CheckpointIO) -> Callable[[Any], Any]:
     """How a replaced checkpoint is removed: by the plugin, or (staged files and shard directories) here."""
     if is_default_checkpoint_io(plugin):
-        return lambda path: ckpt.remove_path(Path(path))
+        return lambda path: ckpt.remove_path(storage.location(path))
     return plugin.remove_checkpoint

@@ -30,11 +30,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, rendezvous, saving, unit_order, unused, verify
-from fsdp_strategy._compat import ScriptLauncher, reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
+from fsdp_strategy import background, rendezvous, saving, storage, unit_order, unused, verify
+from fsdp_strategy._compat import reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.guard import NonFiniteGuard
+from fsdp_strategy.last_checkpoint import ResumingLauncher
 from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
 from fsdp_strategy.options import check_options
 from fsdp_strategy.parallelize import (
@@ -301,8 +302,8 @@ class FSDP2Strategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self.mesh_shape()  # fail on a mesh that cannot fit before any process starts
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Also under torchrun/SLURM (where it starts nothing): it resolves ckpt_path="last" on URLs.
+        self._launcher = ResumingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -766,10 +767,10 @@ class FSDP2Strategy(ParallelStrategy):
                 ' `state_dict_type="full"`.'
             )
         self.wait_for_checkpoint()
-        path = Path(self.broadcast(str(filepath)))
+        path = storage.location(self.broadcast(str(filepath)))
         token = self.broadcast(saving.staging_token())
         if self.is_global_zero:
-            saving.remove_stale_staging(path.parent)
+            saving.remove_stale_staging(storage.parent(path) if isinstance(path, str) else path.parent)
         in_background = self._saves if self._async_save else None
         if sharded:
             saving.save_sharded(
@@ -812,7 +813,7 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = storage.location(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         # As Lightning restores optimizer states only to resume fitting; validate/test/predict load weights only.
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
@@ -820,16 +821,24 @@ class FSDP2Strategy(ParallelStrategy):
         strict = self.lightning_module.strict_loading
         if weights_only is None:  # Lightning drops the user's choice for strategies that restore after setup
             weights_only = weights_only_of_trainer_call()
-        if path.is_dir() and verify.looks_like_sharded_checkpoint(path):
+        if verify.looks_like_sharded_checkpoint(path):
             # None: the user did not choose; torch.load's default since 2.6 is True.
             trusted = weights_only is False
+
+            def check() -> str:
+                # On a URL, rank 0 follows the manifest once: every rank reads the files it named then.
+                files = storage.checkpoint_files(path)
+                verify.verify_sharded_checkpoint(files, weights_only=not trusted)
+                return str(files.source)
+
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
-            self._on_rank_zero(lambda: verify.verify_sharded_checkpoint(path, weights_only=not trusted), CheckpointError)
-            return ckpt.load_sharded(path, self.model, optimizers, strict=strict, weights_only=not trusted)
+            source = self.broadcast(self._on_rank_zero(check, CheckpointError))
+            files = storage.files_at(source, name=path)
+            return ckpt.load_sharded(files, self.model, optimizers, strict=strict, weights_only=not trusted)
         if saving.is_default_checkpoint_io(self.checkpoint_io):
             checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
         else:
-            source = checkpoint_path if Path(checkpoint_path) == path else path
+            source = checkpoint_path if storage.location(checkpoint_path) == path else path
             checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
             ckpt.require_state_dict(checkpoint, path)
         ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)

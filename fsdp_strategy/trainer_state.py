@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.checkpoint_error import CheckpointError, damaged, first_line, read_checkpoint_file, refused
+from fsdp_strategy.storage import checkpoint_files, filesystem, is_url, join, location
 
 __all__ = [
     "ACCEPTED_TYPES",
@@ -234,21 +235,26 @@ def _hint(where: str) -> str:
 # --- meta.pt -------------------------------------------------------------------------------------
 
 
-def save_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
+def save_trainer_state(path: Path | str, state: Mapping[str, Any]) -> None:
     """Writes ``state`` to ``path / "meta.pt"`` with ``torch.save``, atomically (an interrupted write leaves no file).
 
     Raises ``TypeError`` (see :func:`check_trainer_state`) before writing anything if ``state`` cannot be saved.
     """
-    path = Path(path)
+    path = location(path)
     write_trainer_state(path, check_trainer_state(state, checkpoint=path))
 
 
-def write_trainer_state(path: Path, data: bytes) -> None:
+def write_trainer_state(path: Path | str, data: bytes) -> None:
     """Writes ``data``, the trainer state as :func:`check_trainer_state` returned it, to ``path / "meta.pt"`` atomically.
 
     A background save checks the state when it starts and writes these bytes when the shards are in:
-    they are the state as it was at the save, whatever training changes meanwhile.
+    they are the state as it was at the save, whatever training changes meanwhile. ``path`` may be a URL
+    (see :mod:`fsdp_strategy.storage`), where writing one object is atomic.
     """
+    if is_url(path):
+        fs, root = filesystem(str(path))
+        fs.pipe(join(root, TRAINER_STATE_FILENAME), data)
+        return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     target = path / TRAINER_STATE_FILENAME
@@ -260,7 +266,7 @@ def write_trainer_state(path: Path, data: bytes) -> None:
     os.replace(partial, target)
 
 
-def load_trainer_state(path: Path, *, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
+def load_trainer_state(path: Any, *, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
     """The trainer state from ``path / "meta.pt"``, read by :func:`torch_load`.
 
     With ``weights_only=True`` (the default) a file holding types that are neither torch's plain data,
@@ -269,9 +275,9 @@ def load_trainer_state(path: Path, *, map_location: Any = "cpu", weights_only: b
     without running any code stored in it. ``weights_only=False`` loads everything, running such code:
     only for trusted checkpoints.
     """
-    path = Path(path)
-    name = TRAINER_STATE_FILENAME
-    data = read_checkpoint_file(path, name)
+    files = checkpoint_files(path)
+    path, name = files.name, TRAINER_STATE_FILENAME
+    data = read_checkpoint_file(files, name)
     if not zipfile.is_zipfile(io.BytesIO(data)):
         detail = f"'{name}' is truncated or not written by torch.save (no complete archive in its {len(data)} bytes)."
         raise damaged(path, name, detail)

@@ -11,7 +11,6 @@ shapes with the model's. Every problem is reported as a
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
 from collections.abc import Iterable, Mapping
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from fsdp_strategy.checkpoint_error import CheckpointError, damaged, first_line, refused
 from fsdp_strategy.dcp_metadata import DCP_METADATA_FILENAME, read_dcp_metadata
+from fsdp_strategy.storage import CheckpointFiles, checkpoint_files, is_url, read_manifest
 from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME, load_trainer_state, refused_types, torch_load
 
 __all__ = [
@@ -44,13 +44,19 @@ Shape = tuple[int, ...] | None
 # --- the directory as a whole ---------------------------------------------------------------------
 
 
-def looks_like_sharded_checkpoint(path: Path) -> bool:
-    """A directory holding any part of a sharded checkpoint (``.metadata``, ``meta.pt`` or a shard file).
+def looks_like_sharded_checkpoint(path: Path | str) -> bool:
+    """A directory holding any part of a sharded checkpoint (``.metadata``, ``meta.pt`` or a shard file),
+    or a URL whose name is a sharded checkpoint's manifest (see :mod:`fsdp_strategy.storage`).
 
-    Unlike ``checkpoint.is_sharded_checkpoint`` this is also true for a half-written one, so that
+    Unlike ``checkpoint.is_sharded_checkpoint`` this is also true for a half-written local one, so that
     loading it ends in a clear :class:`CheckpointError` rather than in an attempt to read a directory
     as a single-file checkpoint.
     """
+    if is_url(path):
+        try:
+            return read_manifest(str(path)) is not None
+        except FileNotFoundError:
+            return False
     path = Path(path)
     if not path.is_dir():
         return False
@@ -59,18 +65,21 @@ def looks_like_sharded_checkpoint(path: Path) -> bool:
     return any(child.name.endswith(SHARD_SUFFIX) for child in path.iterdir())
 
 
-def is_half_written(path: Path) -> bool:
+def is_half_written(path: Path | str) -> bool:
     """A sharded checkpoint directory that lacks ``.metadata`` or ``meta.pt``: an interrupted save, or a partly deleted one.
 
     DCP writes ``.metadata`` only after every rank wrote its shard file, so shard files without it were
-    never finished; the trainer state is written separately by rank 0.
+    never finished; the trainer state is written separately by rank 0. A checkpoint on a URL is never
+    half-written under its name: the name appears only once it is complete.
     """
+    if is_url(path):
+        return False
     path = Path(path)
     complete = (path / DCP_METADATA_FILENAME).is_file() and (path / TRAINER_STATE_FILENAME).is_file()
     return looks_like_sharded_checkpoint(path) and not complete
 
 
-def verify_sharded_checkpoint(path: Path, *, weights_only: bool = True) -> None:
+def verify_sharded_checkpoint(path: Path | str | CheckpointFiles, *, weights_only: bool = True) -> None:
     """Checks a sharded checkpoint before anything is loaded from it; raises :class:`CheckpointError`.
 
     Checked: ``.metadata`` exists and is DCP metadata (read without running code stored in it); every
@@ -78,19 +87,20 @@ def verify_sharded_checkpoint(path: Path, *, weights_only: bool = True) -> None:
     entries of the shards and ``meta.pt`` load with :func:`~fsdp_strategy.trainer_state.torch_load`
     (``weights_only=True``: without running code stored in them, else refused by type). Only file sizes
     are checked for tensor data, which is not read. ``weights_only=False`` trusts the checkpoint: its
-    pickled objects are loaded whatever they are, running the code they name.
+    pickled objects are loaded whatever they are, running the code they name. ``path`` may be a URL
+    (its manifest is followed) or the :class:`~fsdp_strategy.storage.CheckpointFiles` of one.
     """
-    path = Path(path)
-    if not path.is_dir():
+    if not isinstance(path, CheckpointFiles) and not is_url(path) and not Path(path).is_dir():
         raise CheckpointError(
             f"Checkpoint '{path}' is not a directory; a sharded checkpoint is a directory with"
             f" '{DCP_METADATA_FILENAME}', shard files and '{TRAINER_STATE_FILENAME}'.",
-            checkpoint=path,
+            checkpoint=Path(path),
         )
-    metadata = read_dcp_metadata(path)
-    _check_shard_files(path, metadata)
-    _check_byte_entries(path, metadata, weights_only=weights_only)
-    load_trainer_state(path, weights_only=weights_only)
+    files = checkpoint_files(path)
+    metadata = read_dcp_metadata(files)
+    _check_shard_files(files, metadata)
+    _check_byte_entries(files, metadata, weights_only=weights_only)
+    load_trainer_state(files, weights_only=weights_only)
 
 
 # --- shard files ----------------------------------------------------------------------------------
@@ -101,7 +111,7 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _storage_items(path: Path, metadata: Metadata) -> list[tuple[Any, str, int, int, Any]]:
+def _storage_items(path: Path | str, metadata: Metadata) -> list[tuple[Any, str, int, int, Any]]:
     """``(index, relative path, offset, length, transform descriptors)`` for every entry of the metadata."""
     storage = metadata.storage_data
     if not isinstance(storage, Mapping):
@@ -134,7 +144,8 @@ def _storage_items(path: Path, metadata: Metadata) -> list[tuple[Any, str, int, 
     return items
 
 
-def _check_shard_files(path: Path, metadata: Metadata) -> None:
+def _check_shard_files(files: CheckpointFiles, metadata: Metadata) -> None:
+    path = files.name
     needed: dict[str, int] = {}
     for _, relative, offset, length, _ in _storage_items(path, metadata):
         needed[relative] = max(needed.get(relative, 0), offset + length)
@@ -142,18 +153,17 @@ def _check_shard_files(path: Path, metadata: Metadata) -> None:
         raise damaged(path, DCP_METADATA_FILENAME, f"'{DCP_METADATA_FILENAME}' lists no shard files.")
     problems: list[tuple[str, str]] = []
     for relative in sorted(needed, key=_natural_key):
-        file = path / relative
         try:
-            size = file.stat().st_size
+            size = files.size(relative)
         except FileNotFoundError:
             problems.append((relative, f"shard file '{relative}' is missing (listed in {DCP_METADATA_FILENAME})"))
             continue
         except OSError as error:
             problems.append((relative, f"shard file '{relative}' cannot be read ({type(error).__name__}: {error})"))
             continue
-        if not file.is_file():
+        if not files.is_file(relative):
             problems.append((relative, f"shard file '{relative}' is not a file"))
-        elif not os.access(file, os.R_OK):
+        elif not files.readable(relative):
             problems.append((relative, f"shard file '{relative}' is not readable"))
         elif size < needed[relative]:
             problems.append(
@@ -168,8 +178,9 @@ def _check_shard_files(path: Path, metadata: Metadata) -> None:
         raise damaged(path, first_file, message + ".")
 
 
-def _check_byte_entries(path: Path, metadata: Metadata, *, weights_only: bool) -> None:
+def _check_byte_entries(files: CheckpointFiles, metadata: Metadata, *, weights_only: bool) -> None:
     """Reads the non-tensor entries of the shards as ``torch_load`` does; DCP itself unpickles them unrestricted."""
+    path = files.name
     by_index = {entry[0]: entry[1:] for entry in _storage_items(path, metadata)}
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, BytesStorageMetadata):
@@ -186,9 +197,7 @@ def _check_byte_entries(path: Path, metadata: Metadata, *, weights_only: bool) -
                 f"shard file '{relative}' stores '{fqn}' through storage transforms ({', '.join(map(str, transforms))}),"
                 " which this check cannot read; FSDP2Strategy never writes them.",
             )
-        with open(path / relative, "rb") as stream:
-            stream.seek(offset)
-            data = stream.read(length)
+        data = files.read_range(relative, offset, length)
         try:
             torch_load(io.BytesIO(data), weights_only=weights_only)
         except Exception as error:
@@ -233,7 +242,7 @@ def compare_keys(
     expected: Mapping[str, Shape],
     found: Mapping[str, Shape],
     *,
-    checkpoint: Path,
+    checkpoint: Path | str,
     limit: int = 5,
     strict: bool = True,
     file: str = DCP_METADATA_FILENAME,
@@ -264,7 +273,7 @@ def compare_keys(
     raise CheckpointError(
         f"Checkpoint '{checkpoint}' was saved from a different model (as its '{file}' lists the"
         f" saved tensors): {'; '.join(parts)}.",
-        checkpoint=Path(checkpoint),
+        checkpoint=checkpoint,
         file=file,
     )
 
@@ -276,7 +285,7 @@ def _differ(expected: Shape, found: Shape) -> bool:
 
 
 def check_model_matches(
-    path: Path,
+    path: Path | str | CheckpointFiles,
     model_state_dict: Mapping[str, Any],
     *,
     strict: bool = True,
@@ -285,8 +294,8 @@ def check_model_matches(
     metadata: Metadata | None = None,
 ) -> None:
     """:func:`compare_keys` of a model state dict (``get_model_state_dict(model)``) and the checkpoint's ``prefix`` entries."""
-    path = Path(path)
-    metadata = read_dcp_metadata(path) if metadata is None else metadata
+    files = checkpoint_files(path)
+    metadata = read_dcp_metadata(files) if metadata is None else metadata
     compare_keys(
-        state_dict_shapes(model_state_dict), saved_shapes(metadata, prefix), checkpoint=path, limit=limit, strict=strict
+        state_dict_shapes(model_state_dict), saved_shapes(metadata, prefix), checkpoint=files.name, limit=limit, strict=strict
     )

@@ -3,7 +3,9 @@
 On the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``) one rank can kill itself with SIGKILL:
 ``--kill-at-step K`` at the start of global step K, ``--kill-in-save K`` when the K-th checkpoint save
 begins (rank 0 has staged ``meta.pt`` and is writing its shards; the killed rank has written none);
-``--hang-at-step K`` makes it stop at step K without dying.
+``--kill-in-publish K`` kills rank 0 in the K-th save after every rank has written its shards, before the
+checkpoint gets its name (the rename, or on a URL the manifest). ``--hang-at-step K`` makes it stop at
+step K without dying. ``--checkpoint-dir`` may be a URL (``s3://bucket/run``).
 Rank 0 of the attempt that finishes writes the final full parameters and timings to ``--out``;
 the dying rank writes the moment of its death next to it, for the recovery-time benchmark.
 """
@@ -60,6 +62,18 @@ def kill_in_save(k: int, out: Path) -> None:
     ckpt.save_sharded = save_or_die
 
 
+def kill_in_publish(k: int, out: Path) -> None:
+    publish, calls = ckpt.publish, []
+
+    def publish_or_die(staging, path):  # type: ignore[no-untyped-def]
+        calls.append(path)
+        if len(calls) == k:
+            die(out)
+        publish(staging, path)
+
+    ckpt.publish = publish_or_die
+
+
 class Timeline(L.Callback):
     """When this attempt started from which step, and when its first step ran."""
 
@@ -78,12 +92,13 @@ class Timeline(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="fsdp2")
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=30)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--kill-in-save", type=int, default=None)
+    parser.add_argument("--kill-in-publish", type=int, default=None)
     parser.add_argument("--hang-at-step", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -100,6 +115,8 @@ def main() -> None:
         callbacks.append(FailAtStep(args.hang_at_step, args.out, hang=True))
     if dying and args.kill_in_save is not None:
         kill_in_save(args.kill_in_save, args.out)
+    if ATTEMPT == 0 and int(os.environ["RANK"]) == 0 and args.kill_in_publish is not None:
+        kill_in_publish(args.kill_in_publish, args.out)
     timeline = Timeline()
     callbacks.append(timeline)
 
