@@ -15,6 +15,7 @@ from torch import nn
 
 __all__ = [
     "ScriptLauncher",
+    "averaged_model_of",
     "sync_ddp",
     "disabled_torch_function_impl",
     "forget_composable_state",
@@ -142,3 +143,12 @@ def reduce_root_gradients_after(model: nn.Module, loss: torch.Tensor) -> None:
     """
     state = model._get_fsdp_state()  # type: ignore[operator]
     loss.register_hook(state._pre_backward)
+
+
+def averaged_model_of(callback: Any) -> Any:
+    """The ``AveragedModel`` of Lightning's ``WeightAveraging`` callback (``None`` before its ``setup("fit")``).
+
+    Lightning (2.6.0 to 2.6.6) keeps it in ``WeightAveraging._average_model`` and offers no accessor; the
+    strategy shards it in place after sharding the module.
+    """
+    return callback._average_model

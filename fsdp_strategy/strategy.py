@@ -16,7 +16,6 @@ import torch
 import torch.distributed
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -30,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, rendezvous, saving, unit_order, unused, verify
+from fsdp_strategy import averaging, background, rendezvous, saving, unit_order, unused, verify
 from fsdp_strategy._compat import ScriptLauncher, reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
@@ -195,6 +194,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._layer_sync_applied = False
         self._unused: unused.UnusedParameters | None = None
         self._unit_order: unit_order.UnitOrder | None = None
+        self._averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self._buffer_sync: BufferSync | None = None
         self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
@@ -204,7 +204,8 @@ class FSDP2Strategy(ParallelStrategy):
     # Runtime handles of this process (store connections, process groups, threads, the launcher's child
     # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
     _PROCESS_LOCAL = (
-        "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher"
+        "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher",
+        "_averages",
     )
 
     @override
@@ -435,7 +436,7 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _refuse_weight_copying_callbacks(trainer)
+        averaging.refuse_stochastic_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not isinstance(self.model, FSDPModule):
             if fitting:
@@ -450,6 +451,8 @@ class FSDP2Strategy(ParallelStrategy):
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
             sync_module_states(self.model, host_group=self._gloo_group())  # the buffers; shards cannot disagree
+        # WeightAveraging copied the module in its setup(), before sharding: its copy is sharded the same way.
+        self._averages = averaging.ShardedAverages.attach(trainer.callbacks, self.model)  # type: ignore[attr-defined]
         if self._checkpoint_format is None:
             self._checkpoint_format = self._choose_checkpoint_format(self.model)
         saving.check_checkpoint_io(
@@ -766,6 +769,8 @@ class FSDP2Strategy(ParallelStrategy):
                 ' `state_dict_type="full"`.'
             )
         self.wait_for_checkpoint()
+        if not sharded:  # sharded state a callback added (WeightAveraging's average), whole in the file as under DDP
+            checkpoint = ckpt.gather_dtensors(checkpoint, keep=self.is_global_zero)
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(saving.staging_token())
         if self.is_global_zero:
@@ -825,7 +830,10 @@ class FSDP2Strategy(ParallelStrategy):
             trusted = weights_only is False
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
             self._on_rank_zero(lambda: verify.verify_sharded_checkpoint(path, weights_only=not trusted), CheckpointError)
-            return ckpt.load_sharded(path, self.model, optimizers, strict=strict, weights_only=not trusted)
+            entries = self._averages.checkpoint_entries if fitting and self._averages is not None else ()
+            return ckpt.load_sharded(
+                path, self.model, optimizers, strict=strict, weights_only=not trusted, model_shaped=entries
+            )
         if saving.is_default_checkpoint_io(self.checkpoint_io):
             checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
         else:
@@ -905,6 +913,9 @@ class FSDP2Strategy(ParallelStrategy):
             self._unit_order = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
+        if self._averages is not None:  # as under DDP, WeightAveraging's copy is whole after the stage too
+            self._averages.close()
+            self._averages = None
 
 
 def _reshard_after_an_error(model: FSDPModule) -> None:
@@ -916,22 +927,6 @@ def _reshard_after_an_error(model: FSDPModule) -> None:
         model.reset_iter_state()
     except AttributeError:  # the error came before the first forward: nothing was gathered
         pass
-
-
-def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:
-    """Lightning's weight-averaging callbacks keep a plain copy of the model and copy weights between it and
-    the module, which is sharded here: they would fail mid-run with "mixed torch.Tensor and DTensor"."""
-    from lightning.pytorch import callbacks
-
-    # WeightAveraging (EMA) exists from Lightning 2.6 on.
-    averaging = tuple(getattr(callbacks, name) for name in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, name))
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, averaging):
-            raise MisconfigurationException(
-                f"{type(callback).__name__} does not support sharded models: it keeps a full, unsharded copy of"
-                " the model and copies weights between that copy and the module, which FSDP2Strategy shards"
-                " (Lightning's FSDPStrategy refuses it too). Train with strategy='ddp' to average weights with it."
-            )
 
 
 def _is_sharded(model: nn.Module) -> bool:
