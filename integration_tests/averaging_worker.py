@@ -2,7 +2,7 @@
 
 For each run in ``--runs`` (``ddp``, ``fsdp2`` with sharded checkpoints, ``fsdp2_full`` with single files):
 
-- ``ema``: ``EMAWeightAveraging(decay=0.8)`` on ``TinyLM`` (tied weights, sharded blocks), 8 steps with a
+- ``ema``: ``EMAWeightAveraging(decay=0.8)`` (counting the collectives it runs) on ``TinyLM`` (tied weights, sharded blocks), 8 steps with a
   validation every 4 steps (the average is swapped in) and a checkpoint at steps 4 and 8; then a fresh
   Trainer resumes from the step-4 checkpoint to step 8. ``ddp>fsdp2`` resumes DDP's file under FSDP2.
   Results: the module after fit (the average, copied in at the end), the average as it was at every step
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, WeightAveraging
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_strategy
 from fsdp_strategy._compat import averaged_model_of
@@ -86,6 +87,29 @@ class Record(L.Callback):
             self.val_losses.append(trainer.callback_metrics["val_loss"].item())
 
 
+class CountedEMA(EMAWeightAveraging):
+    """Counts the collectives run while the average is updated, and swapped in and out for validation."""
+
+    def __init__(self) -> None:
+        super().__init__(decay=0.8)
+        self.collectives = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        with CommDebugMode() as comm:
+            super().on_train_batch_end(*args)
+        self.collectives += comm.get_total_counts()
+
+    def on_validation_epoch_start(self, *args: Any) -> None:
+        with CommDebugMode() as comm:
+            super().on_validation_epoch_start(*args)
+        self.collectives += comm.get_total_counts()
+
+    def on_validation_epoch_end(self, *args: Any) -> None:
+        with CommDebugMode() as comm:
+            super().on_validation_epoch_end(*args)
+        self.collectives += comm.get_total_counts()
+
+
 def module_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: full(p) for name, p in model.named_parameters()}
 
@@ -99,7 +123,13 @@ def fit(run: str, model_class: type, averaging: WeightAveraging, loader: Any, *,
     L.seed_everything(42)
     model = model_class()
     trainer.fit(model, loader, loader, ckpt_path=ckpt_path)
-    return {"params": module_params(model), "averages": record.averages, "layout": record.layout, "val_losses": record.val_losses}
+    return {
+        "params": module_params(model),
+        "averages": record.averages,
+        "layout": record.layout,
+        "val_losses": record.val_losses,
+        "collectives": averaging.collectives if isinstance(averaging, CountedEMA) else None,
+    }
 
 
 def ema(root: Path, runs: list[str]) -> dict:
@@ -107,13 +137,13 @@ def ema(root: Path, runs: list[str]) -> dict:
     for run in runs:
         source, _, target = run.rpartition(">")
         if not source:
-            results[run] = fit(run, TinyLM, EMAWeightAveraging(decay=0.8), token_loader(), directory=root / run)
+            results[run] = fit(run, TinyLM, CountedEMA(), token_loader(), directory=root / run)
             dist.barrier()
             source, target = run, run
         # A fresh Trainer resumes the step-4 checkpoint (the run's own, or another strategy's) to step 8.
         step4 = root / source / "step=4.ckpt"
         results[f"{source}>{target}"] = fit(
-            target, TinyLM, EMAWeightAveraging(decay=0.8), token_loader(), directory=None, ckpt_path=step4
+            target, TinyLM, CountedEMA(), token_loader(), directory=None, ckpt_path=step4
         )
     return results
 
