@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from fsdp_strategy import consolidate_checkpoint
-from integration_tests.conftest import max_relative_difference
+from integration_tests.conftest import launch, max_relative_difference
 
 
 def assert_close(results: dict, run: str, reference: str) -> None:
@@ -20,9 +20,9 @@ def assert_close(results: dict, run: str, reference: str) -> None:
     torch.testing.assert_close(ours["val_losses"], ref["val_losses"], rtol=1e-5, atol=0)
 
 
-def test_weight_averaging_matches_ddp_sharded_saved_resumed_and_consolidated(run_worker, tmp_path: Path) -> None:
+def test_weight_averaging_matches_ddp_sharded_saved_resumed_and_consolidated(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
-    results = run_worker(["--checkpoint-dir", str(directory)], nproc=2)
+    results = launch(["--checkpoint-dir", str(directory)], tmp_path, nproc=2, module="integration_tests.averaging_worker")
     ema, swa = results["ema"], results["swa"]
 
     # 8 steps: the module, the average after every step and the validation losses are DDP's.
