@@ -28,7 +28,14 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_strategy._compat import averaged_model_of
 from fsdp_strategy.parallelize import load_full_tensors_into_shards
 
-__all__ = ["CURRENT_MODEL_KEY", "ShardedAverages", "refuse_stochastic_weight_averaging", "shard_like", "unshard"]
+__all__ = [
+    "CURRENT_MODEL_KEY",
+    "ShardedAverages",
+    "refuse_meta_module",
+    "refuse_stochastic_weight_averaging",
+    "shard_like",
+    "unshard",
+]
 
 # Where Lightning's WeightAveraging.on_save_checkpoint moves the module's own weights (the checkpoint's
 # "state_dict" then holds the average); a sharded checkpoint keeps them in shards shaped like the module's.
@@ -50,10 +57,32 @@ def refuse_stochastic_weight_averaging(callbacks: Iterable[Any]) -> None:
             )
 
 
-def _weight_averaging_callbacks(callbacks: Iterable[Any]) -> list[Any]:
-    from lightning.pytorch.callbacks import WeightAveraging
+def refuse_meta_module(callbacks: Iterable[Any], module: nn.Module) -> None:
+    """Raises ``ValueError`` when a ``WeightAveraging`` callback would copy a module that holds meta tensors.
 
-    return [callback for callback in callbacks if isinstance(callback, WeightAveraging)]
+    Lightning's callback copies the module in its ``setup()``, before the strategy materializes it, and
+    ``AveragedModel`` fails there with "Cannot copy out of meta tensor" (the Trainer's teardown then fails too).
+    """
+    averaging = _weight_averaging_callbacks(callbacks)
+    if averaging and _has_meta_tensors(module):
+        raise ValueError(
+            f"{type(averaging[0]).__name__} cannot average a module built on the meta device"
+            " (`trainer.init_module(empty_init=True)`): Lightning's callback copies the module in its `setup()`,"
+            " before FSDP2Strategy materializes and shards it, and a meta tensor has no values to copy. Build the"
+            " module without `empty_init=True` (the callback holds a full copy until the strategy shards it"
+            " anyway), or train without the callback."
+        )
+
+
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def _weight_averaging_callbacks(callbacks: Iterable[Any]) -> list[Any]:
+    from lightning.pytorch import callbacks as lightning_callbacks
+
+    averaging = getattr(lightning_callbacks, "WeightAveraging", None)  # Lightning >= 2.6
+    return [callback for callback in callbacks if averaging is not None and isinstance(callback, averaging)]
 
 
 class ShardedAverages:

@@ -321,6 +321,9 @@ class FSDP2Strategy(ParallelStrategy):
         self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        trainer = self.lightning_module._trainer
+        if trainer is not None:  # before the callbacks' setup(), where WeightAveraging would fail to copy meta tensors
+            averaging.refuse_meta_module(trainer.callbacks, self.lightning_module)
 
     def _join_process_group(self, backend: str) -> rendezvous.Membership:
         environment = self.cluster_environment
@@ -870,6 +873,15 @@ class FSDP2Strategy(ParallelStrategy):
             self._layer_sync_applied = False
         if trainer is not None and trainer.interrupted and isinstance(self.model, FSDPModule):
             _reshard_after_an_error(self.model)
+        if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
+            # An error came before setup() materialized the module (WeightAveraging's refusal): there is nothing
+            # to move, and moving meta tensors would raise over that error. The rest of the base teardown:
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
         # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
         super().teardown()

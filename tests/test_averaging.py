@@ -139,3 +139,12 @@ def test_stochastic_weight_averaging_is_refused_naming_the_sharded_alternative(t
     with pytest.raises(MisconfigurationException, match=re.escape(message)) as refused:
         trainer(tmp_path, "fsdp2", [StochasticWeightAveraging(swa_lrs=0.1)]).fit(TinyLM(), token_loader(batch_size=4, samples=16))
     assert "Use `lightning.pytorch.callbacks.WeightAveraging`" in str(refused.value)
+
+
+def test_a_module_built_on_the_meta_device_is_refused_before_the_callback_copies_it(trainer_env, tmp_path):
+    run = trainer(tmp_path, FSDP2Strategy(), [EMAWeightAveraging()])
+    with run.init_module(empty_init=True):
+        model = TinyLM()
+    message = "EMAWeightAveraging cannot average a module built on the meta device (`trainer.init_module(empty_init=True)`)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run.fit(model, token_loader(batch_size=4, samples=16))
