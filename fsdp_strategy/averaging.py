@@ -8,9 +8,8 @@ averaged parameter becomes a DTensor on the module's mesh with the module's plac
 shard; its ``state_dict`` is sharded like the module's and is saved with the shards). Buffers stay whole,
 as the module's do. The copy keeps the dtype and device Lightning gave it, so the average is what DDP's is.
 
-Lightning's ``StochasticWeightAveraging`` is refused: besides a full copy of the module it swaps the
-optimizers' learning-rate schedulers and recomputes BatchNorm statistics with a forward over the whole
-training set on the full copy.
+Lightning's ``StochasticWeightAveraging`` is refused: besides a full copy of the module it replaces the
+learning-rate scheduler and adds an epoch at the end of training that recomputes BatchNorm statistics.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy._compat import averaged_model_of
+from fsdp_strategy.deferred_init import has_meta_tensors
 from fsdp_strategy.parallelize import load_full_tensors_into_shards
 
 __all__ = [
@@ -50,7 +50,7 @@ def refuse_stochastic_weight_averaging(callbacks: Iterable[Any]) -> None:
         if isinstance(callback, StochasticWeightAveraging):
             raise MisconfigurationException(
                 "StochasticWeightAveraging does not support sharded models: it keeps a full copy of the module,"
-                " replaces the learning-rate schedulers and recomputes BatchNorm statistics on that copy"
+                " replaces the learning-rate scheduler and adds an epoch that recomputes BatchNorm statistics"
                 " (Lightning's FSDPStrategy refuses it too). Use `lightning.pytorch.callbacks.WeightAveraging`,"
                 " which FSDP2Strategy keeps sharded: `WeightAveraging()` averages the weights equally, as SWA does;"
                 " override its `should_update()` to choose from which step or epoch on."
@@ -64,7 +64,7 @@ def refuse_meta_module(callbacks: Iterable[Any], module: nn.Module) -> None:
     ``AveragedModel`` fails there with "Cannot copy out of meta tensor" (the Trainer's teardown then fails too).
     """
     averaging = _weight_averaging_callbacks(callbacks)
-    if averaging and _has_meta_tensors(module):
+    if averaging and has_meta_tensors(module):
         raise ValueError(
             f"{type(averaging[0]).__name__} cannot average a module built on the meta device"
             " (`trainer.init_module(empty_init=True)`): Lightning's callback copies the module in its `setup()`,"
@@ -72,10 +72,6 @@ def refuse_meta_module(callbacks: Iterable[Any], module: nn.Module) -> None:
             " module without `empty_init=True` (the callback holds a full copy until the strategy shards it"
             " anyway), or train without the callback."
         )
-
-
-def _has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _weight_averaging_callbacks(callbacks: Iterable[Any]) -> list[Any]:
