@@ -18,6 +18,7 @@ __all__ = [
     "FsspecReader",
     "FsspecWriter",
     "ScriptLauncher",
+    "averaged_model_of",
     "TorchDispatchMode",
     "sync_ddp",
     "disabled_torch_function_impl",
@@ -167,3 +168,12 @@ def reduce_root_gradients_after(model: nn.Module, loss: torch.Tensor) -> None:
     """
     state = model._get_fsdp_state()  # type: ignore[operator]
     loss.register_hook(state._pre_backward)
+
+
+def averaged_model_of(callback: Any) -> Any:
+    """The ``AveragedModel`` of Lightning's ``WeightAveraging`` callback (``None`` before its ``setup("fit")``).
+
+    Lightning (2.6.0 to 2.6.6) keeps it in ``WeightAveraging._average_model`` and offers no accessor; the
+    strategy shards it in place after sharding the module.
+    """
+    return callback._average_model

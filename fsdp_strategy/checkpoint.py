@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fsdp_strategy import storage
@@ -40,6 +41,8 @@ __all__ = [
     "METADATA_FILENAME",
     "ShardWriter",
     "is_sharded_checkpoint",
+    "gather_dtensors",
+    "holds_dtensor",
     "load_full",
     "read_full_checkpoint",
     "load_full_weights",
@@ -104,7 +107,36 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     rest = dict(checkpoint)
     tensors = {MODEL_KEY: rest.pop("state_dict")}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
+    # Sharded state a callback put in the checkpoint (WeightAveraging's "current_model_state") is saved
+    # in shards under its own key, as the module's is: meta.pt would hold rank 0's shards only.
+    tensors.update({key: rest.pop(key) for key in list(rest) if holds_dtensor(rest[key])})
     return tensors, rest
+
+
+def holds_dtensor(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, dict):
+        return any(holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_dtensor(v) for v in value)
+    return False
+
+
+def gather_dtensors(value: Any, *, keep: bool) -> Any:
+    """``value`` with every DTensor in it (in nested dicts, lists and tuples) replaced by its full tensor on CPU.
+
+    A collective per DTensor: every rank calls it on a ``value`` of the same structure. Ranks that do not
+    ``keep`` the result get ``None`` in place of each tensor, so they never hold more than one at a time.
+    """
+    if isinstance(value, DTensor):
+        full = value.full_tensor().cpu()
+        return full if keep else None
+    if isinstance(value, dict):
+        return {k: gather_dtensors(v, keep=keep) for k, v in value.items()} if holds_dtensor(value) else value
+    if isinstance(value, (list, tuple)) and holds_dtensor(value):
+        return type(value)(gather_dtensors(v, keep=keep) for v in value)
+    return value
 
 
 def save_sharded(staging: Path | str, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
@@ -266,8 +298,14 @@ def load_sharded(
     *,
     strict: bool,
     weights_only: bool = True,
+    model_shaped: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state.
+
+    ``model_shaped`` names further entries that hold state shaped like the model's (WeightAveraging's
+    ``"current_model_state"``): those the checkpoint has are loaded into new shards laid out as the model's
+    and returned under their names, together with the model's loaded state as ``"state_dict"``, for the
+    callbacks' ``on_load_checkpoint`` (as a single-file checkpoint gives them).
 
     Call :func:`fsdp_strategy.verify.verify_sharded_checkpoint` first (with the same ``weights_only``):
     DCP itself unpickles its metadata and non-tensor entries without restrictions. ``path`` may be a URL
@@ -275,14 +313,21 @@ def load_sharded(
     """
     files = storage.checkpoint_files(path)
     model_state_dict = get_model_state_dict(model)
-    check_model_matches(files, model_state_dict, strict=strict, metadata=read_dcp_metadata(files))
+    metadata = read_dcp_metadata(files)
+    check_model_matches(files, model_state_dict, strict=strict, metadata=metadata)
     trainer_state = load_trainer_state(files, weights_only=weights_only)
     tensors: dict[str, Any] = {MODEL_KEY: model_state_dict}
     tensors.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
+    extra = [key for key in model_shaped if any(k.startswith(f"{key}.") for k in metadata.state_dict_metadata)]
+    for key in extra:
+        saved = {k for k in metadata.state_dict_metadata if k.startswith(f"{key}.")}
+        tensors[key] = {name: torch.empty_like(v) for name, v in model_state_dict.items() if f"{key}.{name}" in saved}
     dcp.load(tensors, storage_reader=files.reader())
     set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, tensors[f"optimizer_{i}"])
+    if model_shaped:
+        trainer_state = {**trainer_state, "state_dict": tensors[MODEL_KEY], **{key: tensors[key] for key in extra}}
     return trainer_state
 
 

@@ -16,7 +16,6 @@ import torch
 import torch.distributed
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -30,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, rendezvous, saving, storage, unit_order, unused, verify
+from fsdp_strategy import averaging, background, rendezvous, saving, storage, unit_order, unused, verify
 from fsdp_strategy._compat import reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
@@ -196,6 +195,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._layer_sync_applied = False
         self._unused: unused.UnusedParameters | None = None
         self._unit_order: unit_order.UnitOrder | None = None
+        self._averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self._buffer_sync: BufferSync | None = None
         self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
@@ -205,7 +205,8 @@ class FSDP2Strategy(ParallelStrategy):
     # Runtime handles of this process (store connections, process groups, threads, the launcher's child
     # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
     _PROCESS_LOCAL = (
-        "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher"
+        "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher",
+        "_averages",
     )
 
     @override
@@ -321,6 +322,9 @@ class FSDP2Strategy(ParallelStrategy):
         self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        trainer = self.lightning_module._trainer
+        if trainer is not None:  # before the callbacks' setup(), where WeightAveraging would fail to copy meta tensors
+            averaging.refuse_meta_module(trainer.callbacks, self.lightning_module)
 
     def _join_process_group(self, backend: str) -> rendezvous.Membership:
         environment = self.cluster_environment
@@ -436,7 +440,7 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _refuse_weight_copying_callbacks(trainer)
+        averaging.refuse_stochastic_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not isinstance(self.model, FSDPModule):
             if fitting:
@@ -451,6 +455,8 @@ class FSDP2Strategy(ParallelStrategy):
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
             sync_module_states(self.model, host_group=self._gloo_group())  # the buffers; shards cannot disagree
+        # WeightAveraging copied the module in its setup(), before sharding: its copy is sharded the same way.
+        self._averages = averaging.ShardedAverages.attach(trainer.callbacks, self.model)  # type: ignore[attr-defined]
         if self._checkpoint_format is None:
             self._checkpoint_format = self._choose_checkpoint_format(self.model)
         saving.check_checkpoint_io(
@@ -767,6 +773,8 @@ class FSDP2Strategy(ParallelStrategy):
                 ' `state_dict_type="full"`.'
             )
         self.wait_for_checkpoint()
+        if not sharded:  # sharded state a callback added (WeightAveraging's average), whole in the file as under DDP
+            checkpoint = ckpt.gather_dtensors(checkpoint, keep=self.is_global_zero)
         path = storage.location(self.broadcast(str(filepath)))
         token = self.broadcast(saving.staging_token())
         if self.is_global_zero:
@@ -834,7 +842,10 @@ class FSDP2Strategy(ParallelStrategy):
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
             source = self.broadcast(self._on_rank_zero(check, CheckpointError))
             files = storage.files_at(source, name=path)
-            return ckpt.load_sharded(files, self.model, optimizers, strict=strict, weights_only=not trusted)
+            entries = self._averages.checkpoint_entries if fitting and self._averages is not None else ()
+            return ckpt.load_sharded(
+                files, self.model, optimizers, strict=strict, weights_only=not trusted, model_shaped=entries
+            )
         if saving.is_default_checkpoint_io(self.checkpoint_io):
             checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
         else:
@@ -871,6 +882,15 @@ class FSDP2Strategy(ParallelStrategy):
             self._layer_sync_applied = False
         if trainer is not None and trainer.interrupted and isinstance(self.model, FSDPModule):
             _reshard_after_an_error(self.model)
+        if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
+            # An error came before setup() materialized the module (WeightAveraging's refusal): there is nothing
+            # to move, and moving meta tensors would raise over that error. The rest of the base teardown:
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
         # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
         super().teardown()
@@ -914,6 +934,9 @@ class FSDP2Strategy(ParallelStrategy):
             self._unit_order = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
+        if self._averages is not None:  # as under DDP, WeightAveraging's copy is whole after the stage too
+            self._averages.close()
+            self._averages = None
 
 
 def _reshard_after_an_error(model: FSDPModule) -> None:
@@ -925,22 +948,6 @@ def _reshard_after_an_error(model: FSDPModule) -> None:
         model.reset_iter_state()
     except AttributeError:  # the error came before the first forward: nothing was gathered
         pass
-
-
-def _refuse_weight_copying_callbacks(trainer: pl.Trainer) -> None:
-    """Lightning's weight-averaging callbacks keep a plain copy of the model and copy weights between it and
-    the module, which is sharded here: they would fail mid-run with "mixed torch.Tensor and DTensor"."""
-    from lightning.pytorch import callbacks
-
-    # WeightAveraging (EMA) exists from Lightning 2.6 on.
-    averaging = tuple(getattr(callbacks, name) for name in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, name))
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, averaging):
-            raise MisconfigurationException(
-                f"{type(callback).__name__} does not support sharded models: it keeps a full, unsharded copy of"
-                " the model and copies weights between that copy and the module, which FSDP2Strategy shards"
-                " (Lightning's FSDPStrategy refuses it too). Train with strategy='ddp' to average weights with it."
-            )
 
 
 def _is_sharded(model: nn.Module) -> bool:

@@ -311,19 +311,6 @@ def test_model_checkpoint_top_k_and_last_manage_checkpoint_directories(trainer_e
     assert {Path(p).name for p in checkpoints.best_k_models} == set(kept) - {"last.ckpt"}
 
 
-@pytest.mark.parametrize("name", ["StochasticWeightAveraging", "WeightAveraging"])
-def test_weight_averaging_callbacks_are_refused_before_the_first_step(trainer_env, tmp_path, name):
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch import callbacks
-
-    callback = callbacks.StochasticWeightAveraging(swa_lrs=0.1) if name == "StochasticWeightAveraging" else callbacks.WeightAveraging()
-    steps = SeenWhileTraining(lambda model: None)
-    message = f"{name} does not support sharded models: it keeps a full, unsharded copy of the model"
-    with pytest.raises(MisconfigurationException, match=re.escape(message)):
-        trainer(tmp_path, max_steps=2, callbacks=[callback, steps]).fit(TinyLM(), loader())
-    assert not steps.ran
-
-
 class PlainSGD(TinyLM):
     """SGD without momentum keeps no per-parameter state."""
 
