@@ -189,7 +189,7 @@ def _fix(order: UnitOrder, culprits: Sequence[int]) -> str:
     if routers:
         fix = f"Fix: wrap the module that routes to them as the unit, not each of them: {policy}."
     else:
-        fix = f"Fix: leave them out of the units, so that they belong to the root unit, which always runs: {policy}."
+        fix = f"Fix: leave them out of the units, so that they are gathered with the rest of the model outside the blocks, once per step on every rank: {policy}."
     return (
         f"{fix} (wrap_policy=\"auto\" makes a unit of each child of an nn.ModuleList or nn.Sequential that holds"
         " two or more modules of one class; an explicit wrap_policy chooses instead.)"
