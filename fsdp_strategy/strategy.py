@@ -83,12 +83,13 @@ class FSDP2Strategy(ParallelStrategy):
 
     Each rank keeps about 1/N of the parameters, gradients and optimizer state, and gathers a unit's
     full parameters only while it computes. The module needs no changes: repeated blocks are found
-    and sharded one by one, then the LightningModule itself becomes the root unit.
+    and sharded one by one, the rest of the model below the LightningModule as one group gathered once
+    per micro-batch, then the LightningModule itself becomes the root unit.
 
     Args:
         wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.policy`):
             ``"auto"`` (repeated blocks), class names, module classes, a ``(name, module) -> bool``
-            callable, a minimum parameter count, or ``None`` for one unit holding everything.
+            callable, a minimum parameter count, or ``None`` for no blocks (one group holding everything).
         activation_checkpointing_policy: modules whose activations are recomputed in backward, in the
             same forms (``"auto"`` = the repeated blocks). ``None`` turns it off.
         reshard_after_forward: ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
