@@ -88,6 +88,14 @@ def test_fsdp2_counts_padded_shards_and_the_tied_weight_once():
     assert est.sent_bytes == (448 + 288) // 2
 
 
+def test_the_roots_own_parameters_are_gathered_twice_the_groups_once():
+    model = meta()
+    with torch.device("meta"):
+        model.gain = nn.Parameter(torch.ones(6))  # the root's own: gathered by training_step and again in backward
+    est = estimate_module(model, strategy="fsdp2", world_size=2)
+    assert est.all_gather_bytes == (2 * 6 + REST_GATHERS * REST_FULL + 2 * 2 * BLOCK_FULL) * F32
+
+
 def test_one_rank_keeps_everything_and_communicates_nothing():
     est = estimate_module(meta(), strategy="fsdp2", world_size=1)
     assert est.param_bytes == (28 + 2 * 15) * F32
