@@ -111,7 +111,7 @@ def plan_units(
     for name, module in reversed(named[1:]):
         if name in blocks:
             units.append(_unit([(name, module)], mp_policy, claimed))
-    rest = _rest_of_the_model(model, claimed, [*user_sharded, *blocks, *(name for name, _ in norms)], owners)
+    rest = _rest_of_the_model(model, claimed, [*user_sharded, *blocks, *(name for name, _ in norms)])
     if rest:
         units.append(_unit(rest, mp_policy, claimed, reshard_after_forward=False))
     return units
@@ -135,9 +135,7 @@ def _unit(
     )
 
 
-def _rest_of_the_model(
-    model: nn.Module, claimed: set[int], units: Sequence[str], owners: dict[int, list[str]]
-) -> list[tuple[str, nn.Module]]:
+def _rest_of_the_model(model: nn.Module, claimed: set[int], units: Sequence[str]) -> list[tuple[str, nn.Module]]:
     """The outermost modules below the root that hold parameters of no unit and contain no unit.
 
     A module whose parameters are also the root's own (registered on the root itself) is left to the root.
