@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import background, rendezvous, saving, unit_order, unused, verify
+from fsdp_strategy import background, host_memory, rendezvous, saving, unit_order, unused, verify
 from fsdp_strategy._compat import ScriptLauncher, reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
@@ -146,6 +146,7 @@ class FSDP2Strategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800,
         nonfinite_grads: str = "ignore",
+        host_memory: str = "release",
     ) -> None:
         super().__init__()
         options = check_options(
@@ -165,7 +166,9 @@ class FSDP2Strategy(ParallelStrategy):
             init_weights=init_weights,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            host_memory=host_memory,
         )
+        self._host_memory = options.host_memory
         self._wrap_policy = options.wrap_policy
         self._ac_policy = options.activation_checkpointing_policy
         self._init_weights = options.init_weights
@@ -447,6 +450,8 @@ class FSDP2Strategy(ParallelStrategy):
             # As DDP: every rank starts from rank 0's parameters and buffers.
             sync_module_states(self.model, host_group=self._gloo_group())
             self.parallelize(self.model)
+            if self._host_memory != "keep":  # the eager full copy was freed when its shards were made
+                host_memory.release()
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
             sync_module_states(self.model, host_group=self._gloo_group())  # the buffers; shards cannot disagree
@@ -666,6 +671,8 @@ class FSDP2Strategy(ParallelStrategy):
                 scaler=getattr(self.precision_plugin, "scaler", None),
             )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._host_memory == "release":  # the step's buffers are free now, the next step's not yet taken
+            host_memory.release()
         if self._in_manual_step and isinstance(self.model, FSDPModule):
             # The root's own parameters were gathered when training_step began and resharded by the
             # backward that just ran; gather the updated shards so the rest of the step sees them.

@@ -188,6 +188,20 @@ def test_reshard_after_forward_accepts_bool_or_positive_int(value):
     assert FSDP2Strategy(reshard_after_forward=value)._reshard_after_forward == value
 
 
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("trim", ValueError, "`host_memory` must be one of ('release', 'keep'); got 'trim'."),
+        (True, TypeError, "`host_memory` must be a str, one of ('release', 'keep'); got True of type bool."),
+    ],
+)
+def test_host_memory_accepts_release_or_keep(value, error, message):
+    assert FSDP2Strategy()._host_memory == "release"  # on by default: it meets the memory targets
+    assert FSDP2Strategy(host_memory="keep")._host_memory == "keep"
+    with pytest.raises(error, match=re.escape(message)):
+        FSDP2Strategy(host_memory=value)
+
+
 def test_process_group_backend_is_exposed():
     assert FSDP2Strategy(process_group_backend="gloo").process_group_backend == "gloo"
     assert FSDP2Strategy().process_group_backend is None
