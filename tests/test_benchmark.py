@@ -117,7 +117,8 @@ def row(strategy, world_size, repeat, rank, *, growth, step, state=100 * MiB):
     return {
         "strategy": strategy, "world_size": world_size, "repeat": repeat, "rank": rank, "params": 1000,
         "precision": "32-true", "batch_size": 2, "seq_len": 8, "rss_after_imports_bytes": 400 * MiB,
-        "peak_rss_bytes": 400 * MiB + growth, "growth_bytes": growth, "model_state_bytes": state,
+        "peak_rss_bytes": 400 * MiB + growth, "growth_bytes": growth, "train_growth_bytes": growth - MiB,
+        "model_state_bytes": state,
         "model_state_total_bytes": 200 * MiB, "model_state_over_ideal": state / (200 * MiB / world_size),
         "step_time_s": step, "cpu_time_s": step / 2, "samples_per_s": world_size * 2 / step,
         "tokens_per_s": world_size * 16 / step, "loss_last": 5.5, "step_times_s": [step, step],

@@ -16,13 +16,14 @@ __all__ = ["CSV_FIELDS", "RATIOS", "format_table", "job_figures", "plot", "summa
 
 CSV_FIELDS = (
     "strategy", "world_size", "repeat", "rank", "params", "precision", "batch_size", "seq_len",
-    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "model_state_bytes", "model_state_total_bytes",
+    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "train_growth_bytes", "model_state_bytes", "model_state_total_bytes",
     "model_state_over_ideal", "step_time_s", "cpu_time_s", "samples_per_s", "tokens_per_s", "loss_last",
 )
 
 # A job's figure is its worst rank's: the most memory, the slowest step (its ranks wait for each other anyway).
 FIGURES = {
     "growth_bytes": max,
+    "train_growth_bytes": max,
     "peak_rss_bytes": max,
     "model_state_bytes": max,
     "model_state_over_ideal": max,
@@ -36,6 +37,7 @@ FIGURES = {
 # reference job's of the same repeat and world size: the two ran close together, under about the same load.
 RATIOS = (
     ("growth_over_ddp", "growth_bytes", "ddp"),
+    ("train_growth_over_ddp", "train_growth_bytes", "ddp"),
     ("step_time_over_raw_fsdp2", "step_time_s", "raw_fsdp2"),
     ("step_time_over_model_parallel", "step_time_s", "model_parallel"),
     ("cpu_time_over_raw_fsdp2", "cpu_time_s", "raw_fsdp2"),
@@ -55,6 +57,7 @@ COLORS = {"ddp": "#8c8c8c", "fsdp2": "#1f77b4", "fsdp2_grad_op": "#7fb8e0", "mod
 # With ``--baseline NAME`` (an A/B candidate against what it would replace): these, over NAME's same-round job.
 BASELINE_RATIOS = (
     ("growth_over_baseline", "growth_bytes"),
+    ("train_growth_over_baseline", "train_growth_bytes"),
     ("step_time_over_baseline", "step_time_s"),
     ("cpu_time_over_baseline", "cpu_time_s"),
 )
@@ -115,13 +118,14 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     header = (
         "| strategy | ranks | memory growth / rank (MiB) | vs ddp | model state / rank (MiB) | over ideal"
         " | step (ms) | vs raw_fsdp2 | vs model_parallel | CPU / step (ms) | CPU vs raw_fsdp2 | CPU vs model_parallel"
-        " | tokens/s |"
+        " | tokens/s | growth until training ended (MiB) | vs ddp |"
     )
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     baseline = summary[0].get("baseline") if summary else None
     if baseline is not None:
-        header += f" memory vs {baseline} [min, max] | CPU vs {baseline} [min, max] |"
-        rule += "---:|---:|"
+        header += (f" memory vs {baseline} [min, max] | until training ended vs {baseline} [min, max]"
+                   f" | CPU vs {baseline} [min, max] |")
+        rule += "---:|---:|---:|"
     lines = [header, rule]
     for e in summary:
         cells = [
@@ -138,15 +142,22 @@ def format_table(summary: list[dict[str, Any]]) -> str:
             _ratio(e["cpu_time_over_raw_fsdp2"]),
             _ratio(e["cpu_time_over_model_parallel"]),
             f"{e['tokens_per_s']:,.0f}",
+            _mib_range(e, "train_growth_bytes"),
+            _ratio(e["train_growth_over_ddp"]),
         ]
         if baseline is not None:
-            cells += [_ratio_range(e, "growth_over_baseline"), _ratio_range(e, "cpu_time_over_baseline")]
+            cells += [_ratio_range(e, "growth_over_baseline"), _ratio_range(e, "train_growth_over_baseline"),
+                      _ratio_range(e, "cpu_time_over_baseline")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _mib_range(entry: dict[str, Any], key: str) -> str:
+    return f"{entry[key] / 2**20:,.0f} [{entry[f'{key}_min'] / 2**20:,.0f}, {entry[f'{key}_max'] / 2**20:,.0f}]"
 
 
 def _ratio_range(entry: dict[str, Any], key: str) -> str:

@@ -155,6 +155,7 @@ class StepLog:
         self.grad_bytes = (0, 0)
         self.losses: list[float] = []
         self.rss: list[int | None] = []  # at each batch start: where the growth happens
+        self.train_peak = 0  # peak RSS when training ended, before the strategy's teardown gathers anything
 
     def batch_start(self) -> None:
         self.wall.append(time.perf_counter())
@@ -188,6 +189,7 @@ class _Probe(Callback):
         self.step_log.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        self.step_log.train_peak = peak_rss_bytes()
         self.model_state = held_and_full_state_bytes(pl_module, trainer.optimizers[0], self.step_log.grad_bytes)
 
 
@@ -245,6 +247,7 @@ def run_raw(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, 
         optimizer.step()
         optimizer.zero_grad()
         log.losses.append(loss.item())
+    log.train_peak = peak_rss_bytes()
     state = held_and_full_state_bytes(model, optimizer, log.grad_bytes)
     return state, sum(p.numel() for p in model.parameters())
 
@@ -266,6 +269,9 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
         "rss_after_imports_bytes": rss_after_imports,
         "peak_rss_bytes": peak,
         "growth_bytes": peak - rss_after_imports,
+        # Up to the end of training: "fsdp2" gives the module back in full after fit (as DDP leaves it), and
+        # that gathered state counts in growth_bytes, not here.
+        "train_growth_bytes": log.train_peak - rss_after_imports,
         "model_state_bytes": state[0],
         "model_state_total_bytes": state[1],
         "model_state_over_ideal": state[0] / (state[1] / world_size),
