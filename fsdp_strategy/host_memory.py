@@ -25,7 +25,7 @@ __all__ = ["HOST_MEMORY_MODES", "HeapStats", "heap_stats", "release", "supported
 
 # "release": hand free heap pages back once the eager full model is freed (after sharding) and after each
 # optimizer step; "keep": leave the allocator alone.
-HOST_MEMORY_MODES = ("release", "keep")
+HOST_MEMORY_MODES = ("release", "keep", "release_phases")  # release_phases: experiment
 
 
 @dataclass(frozen=True)

@@ -447,8 +447,9 @@ class FSDP2Strategy(ParallelStrategy):
                     self._layer_sync_applied = True
                 check_sync_batchnorm(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
-            # As DDP: every rank starts from rank 0's parameters and buffers.
-            sync_module_states(self.model, host_group=self._gloo_group())
+            # As DDP: every rank starts from rank 0's parameters and buffers. Small buckets: a flat copy of
+            # 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a sharded run.
+            sync_module_states(self.model, host_group=self._gloo_group(), bucket_bytes=SYNC_BUCKET_BYTES)
             self.parallelize(self.model)
             if self._host_memory != "keep":  # the eager full copy was freed when its shards were made
                 host_memory.release()
@@ -595,7 +596,10 @@ class FSDP2Strategy(ParallelStrategy):
         gradient_sync = torch.is_grad_enabled() and not self._in_manual_step and not self._in_no_sync
         try:
             with self._buffer_step(gradient_sync=gradient_sync):
-                return super().training_step(*args, **kwargs)
+                out = super().training_step(*args, **kwargs)
+            if self._host_memory == "release_phases":
+                host_memory.release()
+            return out
         finally:
             if self._in_manual_step and isinstance(self.model, FSDPModule):
                 self.model.reshard()
@@ -645,6 +649,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        if self._host_memory == "release_phases":
+            host_memory.release()
         if self._unit_order is not None:
             self._unit_order.after_backward()
         if self._sync_grads_each_micro_batch or not self._in_no_sync:  # this backward reduced gradients
@@ -671,7 +677,7 @@ class FSDP2Strategy(ParallelStrategy):
                 scaler=getattr(self.precision_plugin, "scaler", None),
             )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._host_memory == "release":  # the step's buffers are free now, the next step's not yet taken
+        if self._host_memory in ("release", "release_phases"):  # the step's buffers are free now, the next step's not yet taken
             host_memory.release()
         if self._in_manual_step and isinstance(self.model, FSDPModule):
             # The root's own parameters were gathered when training_step began and resharded by the
@@ -912,6 +918,9 @@ class FSDP2Strategy(ParallelStrategy):
             self._unit_order = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
         self._before_sharding, self._load_hooks = None, []
+
+
+SYNC_BUCKET_BYTES = 4 * 1024 * 1024  # larger tensors go alone, without a copy
 
 
 def _reshard_after_an_error(model: FSDPModule) -> None:
