@@ -23,9 +23,9 @@ from functools import lru_cache
 
 __all__ = ["HOST_MEMORY_MODES", "HeapStats", "heap_stats", "release", "supported"]
 
-# "release": hand free heap pages back once the eager full model is freed (after sharding) and after each
-# optimizer step; "keep": leave the allocator alone.
-HOST_MEMORY_MODES = ("release", "keep", "release_phases")  # release_phases: experiment
+# "keep": leave the allocator alone. "release": hand free heap pages back after sharding (the eager full model
+# freed) and at each phase end of a training step: after forward, after backward, after the optimizer step.
+HOST_MEMORY_MODES = ("keep", "release")
 
 
 @dataclass(frozen=True)

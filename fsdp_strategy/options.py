@@ -65,7 +65,7 @@ def check_options(
     init_weights: str | Path | None,
     process_group_backend: str | None,
     timeout: float | timedelta,
-    host_memory: str = "release",
+    host_memory: str = "keep",
 ) -> Options:
     for option, value in (
         ("hybrid", hybrid),

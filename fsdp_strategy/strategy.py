@@ -122,6 +122,10 @@ class FSDP2Strategy(ParallelStrategy):
             (drop that step's gradients so nothing is updated, warn naming the first affected
             parameter, count it in :attr:`skipped_steps`) or ``"raise"`` (``NonFiniteGradientError``
             on every rank). Under ``precision="16-mixed"`` the gradient scaler handles such steps.
+        host_memory: ``"release"`` hands freed heap memory back to the system (glibc's ``malloc_trim``)
+            after sharding and after each forward, backward and optimizer step: a lower peak of host
+            memory on CPU for a few percent more CPU time; ``"keep"`` leaves the allocator alone. A
+            no-op where the C library is not glibc.
     """
 
     strategy_name = "fsdp2"
@@ -146,7 +150,7 @@ class FSDP2Strategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800,
         nonfinite_grads: str = "ignore",
-        host_memory: str = "release",
+        host_memory: str = "keep",
     ) -> None:
         super().__init__()
         options = check_options(
@@ -451,7 +455,7 @@ class FSDP2Strategy(ParallelStrategy):
             # 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a sharded run.
             sync_module_states(self.model, host_group=self._gloo_group(), bucket_bytes=SYNC_BUCKET_BYTES)
             self.parallelize(self.model)
-            if self._host_memory != "keep":  # the eager full copy was freed when its shards were made
+            if self._host_memory == "release":  # the eager full copy was freed when its shards were made
                 host_memory.release()
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
@@ -597,7 +601,7 @@ class FSDP2Strategy(ParallelStrategy):
         try:
             with self._buffer_step(gradient_sync=gradient_sync):
                 out = super().training_step(*args, **kwargs)
-            if self._host_memory == "release_phases":
+            if self._host_memory == "release":  # the forward's freed buffers: holes the backward's may not fit
                 host_memory.release()
             return out
         finally:
@@ -649,7 +653,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._host_memory == "release_phases":
+        if self._host_memory == "release":
             host_memory.release()
         if self._unit_order is not None:
             self._unit_order.after_backward()
@@ -677,7 +681,7 @@ class FSDP2Strategy(ParallelStrategy):
                 scaler=getattr(self.precision_plugin, "scaler", None),
             )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._host_memory in ("release", "release_phases"):  # the step's buffers are free now, the next step's not yet taken
+        if self._host_memory == "release":  # the step's buffers are free now, the next step's not yet taken
             host_memory.release()
         if self._in_manual_step and isinstance(self.model, FSDPModule):
             # The root's own parameters were gathered when training_step began and resharded by the

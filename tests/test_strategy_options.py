@@ -191,13 +191,14 @@ def test_reshard_after_forward_accepts_bool_or_positive_int(value):
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        ("trim", ValueError, "`host_memory` must be one of ('release', 'keep'); got 'trim'."),
-        (True, TypeError, "`host_memory` must be a str, one of ('release', 'keep'); got True of type bool."),
+        ("trim", ValueError, "`host_memory` must be one of ('keep', 'release'); got 'trim'."),
+        (True, TypeError, "`host_memory` must be a str, one of ('keep', 'release'); got True of type bool."),
     ],
 )
-def test_host_memory_accepts_release_or_keep(value, error, message):
-    assert FSDP2Strategy()._host_memory == "release"  # on by default: it meets the memory targets
-    assert FSDP2Strategy(host_memory="keep")._host_memory == "keep"
+def test_host_memory_accepts_keep_or_release(value, error, message):
+    # Off by default: it lowers the peak but does not reach the memory targets of issue 11 (docs/benchmarks.md).
+    assert FSDP2Strategy()._host_memory == "keep"
+    assert FSDP2Strategy(host_memory="release")._host_memory == "release"
     with pytest.raises(error, match=re.escape(message)):
         FSDP2Strategy(host_memory=value)
 
