@@ -44,7 +44,8 @@ def module_buffers(module: nn.Module) -> list[Tensor]:
 
 
 def sync_module_states(
-    module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None, host_group: dist.ProcessGroup | None = None
+    module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None, host_group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> None:
     """Copies rank ``src``'s unsharded parameters and its buffers to every rank, as DDP does at wrap time.
 
@@ -58,7 +59,8 @@ def sync_module_states(
         for name, p in module.named_parameters()
         if name not in ignored and not isinstance(p, DTensor) and not p.is_meta
     ]
-    broadcast_tensors([*params, *module_buffers(module)], src=src, group=group, host_group=host_group)
+    broadcast_tensors([*params, *module_buffers(module)], src=src, group=group, host_group=host_group,
+                      bucket_bytes=bucket_bytes)
 
 
 def broadcast_tensors(

@@ -196,6 +196,7 @@ def _benchmark(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             vocab_size=args.vocab_size,
+            baseline=args.baseline,
             out=args.out,
             progress=args.progress,
         )
@@ -224,7 +225,11 @@ def _add_benchmark_parser(commands: argparse._SubParsersAction) -> None:
     model.add_argument("--init-args", metavar="JSON", help="the --model's constructor arguments, a JSON object")
     model.add_argument("--size", help=f"the example GPT's size: {', '.join(GPT_SIZES)} (0.12M, 11M, 25M, 116M parameters)")
     parser.add_argument("--strategies", default="ddp,fsdp2,fsdp2_grad_op,model_parallel,raw_fsdp2",
-                        help="comma-separated (default: all of them)")
+                        help="comma-separated (default: all of them); fsdp2 and fsdp2_grad_op also as A/B variants:"
+                        " NAME:OPTION=VALUE (an FSDP2Strategy option, e.g. fsdp2:host_memory=keep) and"
+                        " NAME:init=meta (the model built in trainer.init_module(empty_init=True))")
+    parser.add_argument("--baseline", metavar="STRATEGY", help="one of --strategies: also compare the others with it,"
+                        " round by round (memory and CPU time per step)")
     parser.add_argument("--world-sizes", default="2", help="comma-separated numbers of CPU processes (default: 2)")
     parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed (default: 32-true)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default: 20)")

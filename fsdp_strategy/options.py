@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_strategy import storage
 from fsdp_strategy.checks import check_positive_int
+from fsdp_strategy.host_memory import HOST_MEMORY_MODES
 from fsdp_strategy.policy import ModulePolicy, PolicyInput, normalize_policy
 
 __all__ = ["STATE_DICT_TYPES", "Options", "check_options"]
@@ -44,6 +45,7 @@ class Options:
     init_weights: Path | str | None
     process_group_backend: str | None
     timeout: timedelta
+    host_memory: str
 
 
 def check_options(
@@ -64,6 +66,7 @@ def check_options(
     init_weights: str | Path | None,
     process_group_backend: str | None,
     timeout: float | timedelta,
+    host_memory: str = "keep",
 ) -> Options:
     for option, value in (
         ("hybrid", hybrid),
@@ -95,6 +98,11 @@ def check_options(
             f"`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got {mp_policy!r}"
             f" of type {type(mp_policy).__name__}."
         )
+    if not isinstance(host_memory, str):
+        raise TypeError(f"`host_memory` must be a str, one of {HOST_MEMORY_MODES}; got {host_memory!r} of type"
+                        f" {type(host_memory).__name__}.")
+    if host_memory not in HOST_MEMORY_MODES:
+        raise ValueError(f"`host_memory` must be one of {HOST_MEMORY_MODES}; got {host_memory!r}.")
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"`state_dict_type` must be one of {STATE_DICT_TYPES}; got {state_dict_type!r}.")
     if process_group_backend is not None and not isinstance(process_group_backend, str):
@@ -128,6 +136,7 @@ def check_options(
         init_weights=None if init_weights is None else storage.location(init_weights),
         process_group_backend=process_group_backend,
         timeout=_as_timedelta(timeout),
+        host_memory=host_memory,
     )
 
 

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import averaging, background, rendezvous, saving, storage, unit_order, unused, verify
+from fsdp_strategy import averaging, background, host_memory, rendezvous, saving, storage, unit_order, unused, verify
 from fsdp_strategy._compat import reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
@@ -124,6 +124,10 @@ class FSDP2Strategy(ParallelStrategy):
             (drop that step's gradients so nothing is updated, warn naming the first affected
             parameter, count it in :attr:`skipped_steps`) or ``"raise"`` (``NonFiniteGradientError``
             on every rank). Under ``precision="16-mixed"`` the gradient scaler handles such steps.
+        host_memory: ``"release"`` hands freed heap memory back to the system (glibc's ``malloc_trim``)
+            after sharding and after each forward, backward and optimizer step: a lower peak of host
+            memory on CPU for a few percent more CPU time; ``"keep"`` leaves the allocator alone. A
+            no-op where the C library is not glibc.
     """
 
     strategy_name = "fsdp2"
@@ -148,6 +152,7 @@ class FSDP2Strategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800,
         nonfinite_grads: str = "ignore",
+        host_memory: str = "keep",
     ) -> None:
         super().__init__()
         options = check_options(
@@ -167,7 +172,9 @@ class FSDP2Strategy(ParallelStrategy):
             init_weights=init_weights,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            host_memory=host_memory,
         )
+        self._host_memory = options.host_memory
         self._wrap_policy = options.wrap_policy
         self._ac_policy = options.activation_checkpointing_policy
         self._init_weights = options.init_weights
@@ -451,9 +458,12 @@ class FSDP2Strategy(ParallelStrategy):
                     self._layer_sync_applied = True
                 check_sync_batchnorm(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
-            # As DDP: every rank starts from rank 0's parameters and buffers.
-            sync_module_states(self.model, host_group=self._gloo_group())
+            # As DDP: every rank starts from rank 0's parameters and buffers. Small buckets: a flat copy of
+            # 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a sharded run.
+            sync_module_states(self.model, host_group=self._gloo_group(), bucket_bytes=SYNC_BUCKET_BYTES)
             self.parallelize(self.model)
+            if self._host_memory == "release":  # the eager full copy was freed when its shards were made
+                host_memory.release()
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
             self.model_to_device()
             sync_module_states(self.model, host_group=self._gloo_group())  # the buffers; shards cannot disagree
@@ -599,7 +609,10 @@ class FSDP2Strategy(ParallelStrategy):
         gradient_sync = torch.is_grad_enabled() and not self._in_manual_step and not self._in_no_sync
         try:
             with self._buffer_step(gradient_sync=gradient_sync):
-                return super().training_step(*args, **kwargs)
+                out = super().training_step(*args, **kwargs)
+            if self._host_memory == "release":  # the forward's freed buffers: holes the backward's may not fit
+                host_memory.release()
+            return out
         finally:
             if self._in_manual_step and isinstance(self.model, FSDPModule):
                 reshard_units(self.model)
@@ -654,6 +667,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        if self._host_memory == "release":
+            host_memory.release()
         if self._unit_order is not None:
             self._unit_order.after_backward()
         if self._sync_grads_each_micro_batch or not self._in_no_sync:  # this backward reduced gradients
@@ -683,6 +698,8 @@ class FSDP2Strategy(ParallelStrategy):
             # A unit gathered by a forward without backward would keep its values from before this update.
             reshard_units(self.model)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._host_memory == "release":  # the step's buffers are free now, the next step's not yet taken
+            host_memory.release()
         if self._in_manual_step and isinstance(self.model, FSDPModule):
             # The root's own parameters were gathered when training_step began and resharded by the
             # backward that just ran; gather the updated shards so the rest of the step sees them.
@@ -947,6 +964,9 @@ class FSDP2Strategy(ParallelStrategy):
         if self._averages is not None:  # as under DDP, WeightAveraging's copy is whole after the stage too
             self._averages.close()
             self._averages = None
+
+
+SYNC_BUCKET_BYTES = 4 * 1024 * 1024  # larger tensors go alone, without a copy
 
 
 def _reshard_after_an_error(model: FSDPModule) -> None:

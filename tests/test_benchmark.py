@@ -117,7 +117,8 @@ def row(strategy, world_size, repeat, rank, *, growth, step, state=100 * MiB):
     return {
         "strategy": strategy, "world_size": world_size, "repeat": repeat, "rank": rank, "params": 1000,
         "precision": "32-true", "batch_size": 2, "seq_len": 8, "rss_after_imports_bytes": 400 * MiB,
-        "peak_rss_bytes": 400 * MiB + growth, "growth_bytes": growth, "model_state_bytes": state,
+        "peak_rss_bytes": 400 * MiB + growth, "growth_bytes": growth, "train_growth_bytes": growth - MiB,
+        "model_state_bytes": state,
         "model_state_total_bytes": 200 * MiB, "model_state_over_ideal": state / (200 * MiB / world_size),
         "step_time_s": step, "cpu_time_s": step / 2, "samples_per_s": world_size * 2 / step,
         "tokens_per_s": world_size * 16 / step, "loss_last": 5.5, "step_times_s": [step, step],
@@ -189,3 +190,20 @@ def test_a_tiny_run_of_two_strategies_on_two_ranks(tmp_path, capsys, monkeypatch
     assert (tmp_path / "plot.png").is_file() and (tmp_path / "results.csv").is_file()
     assert "| fsdp2 | 2 |" in capsys.readouterr().out
 
+
+
+def test_variants_carry_strategy_options_and_meta_init():
+    from fsdp_strategy.benchmark.options import Variant, parse_variant
+
+    assert parse_variant("fsdp2:host_memory=release:init=meta") == Variant("fsdp2", {"host_memory": "release"}, "meta")
+    assert parse_variant("fsdp2_grad_op:reshard_after_forward=2") == Variant("fsdp2_grad_op", {"reshard_after_forward": 2})
+    assert parse_strategies("ddp,fsdp2:host_memory=keep") == ["ddp", "fsdp2:host_memory=keep"]
+    for text, message in [
+        ("ddp:host_memory=keep", "only fsdp2, fsdp2_grad_op take ':option=value' settings"),
+        ("fsdp2:init=lazy", "init must be one of eager, meta; got 'lazy'"),
+        ("fsdp2:keep", "settings are ':option=value'; got 'keep'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_variant(text)
+    with pytest.raises(ValueError, match=re.escape("`--baseline` must be one of the --strategies (ddp, fsdp2); got 'x'.")):
+        run_benchmark(size="tiny", strategies=["ddp", "fsdp2"], baseline="x", progress=False)

@@ -7,13 +7,54 @@ from __future__ import annotations
 
 import lightning as L
 
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
 from fsdp_strategy.target import load_target
 
-__all__ = ["PRECISIONS", "PROGRESS_PREFIX", "STRATEGIES", "load_model_class"]
+__all__ = ["PRECISIONS", "PROGRESS_PREFIX", "STRATEGIES", "Variant", "load_model_class", "parse_variant"]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "model_parallel", "raw_fsdp2")
 PRECISIONS = ("32-true", "bf16-mixed")
 PROGRESS_PREFIX = "[fsdp-strategy-benchmark] batch"  # the worker's rank-0 progress lines
+SHARDED = ("fsdp2", "fsdp2_grad_op")  # FSDP2Strategy under its registered names: these take variants
+INITS = ("eager", "meta")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A ``--strategies`` entry: ``fsdp2`` as registered, or ``fsdp2:host_memory=keep:init=meta`` (an A/B
+    candidate beside the plain one): ``FSDP2Strategy`` options, and ``init=meta`` to build the model inside
+    ``trainer.init_module(empty_init=True)`` rather than eagerly."""
+
+    strategy: str
+    options: dict[str, Any] = field(default_factory=dict)
+    init: str = "eager"
+
+
+def parse_variant(text: str) -> Variant:
+    name, *settings = text.split(":")
+    if name not in STRATEGIES:
+        raise ValueError(f"`--strategies`: {name!r} is not one of {', '.join(STRATEGIES)}.")
+    if settings and name not in SHARDED:
+        raise ValueError(f"`--strategies`: {text!r}: only {', '.join(SHARDED)} take ':option=value' settings.")
+    options: dict[str, Any] = {}
+    init = "eager"
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"`--strategies`: {text!r}: settings are ':option=value'; got {setting!r}.")
+        if key == "init":
+            if value not in INITS:
+                raise ValueError(f"`--strategies`: {text!r}: init must be one of {', '.join(INITS)}; got {value!r}.")
+            init = value
+            continue
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value  # a bare word is a string
+    return Variant(name, options, init)
 
 
 def load_model_class(spec: str) -> type[L.LightningModule]:

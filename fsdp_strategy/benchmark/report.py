@@ -16,13 +16,15 @@ __all__ = ["CSV_FIELDS", "RATIOS", "format_table", "job_figures", "plot", "summa
 
 CSV_FIELDS = (
     "strategy", "world_size", "repeat", "rank", "params", "precision", "batch_size", "seq_len",
-    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "model_state_bytes", "model_state_total_bytes",
+    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "train_growth_bytes", "model_state_bytes",
+    "model_state_total_bytes",
     "model_state_over_ideal", "step_time_s", "cpu_time_s", "samples_per_s", "tokens_per_s", "loss_last",
 )
 
 # A job's figure is its worst rank's: the most memory, the slowest step (its ranks wait for each other anyway).
 FIGURES = {
     "growth_bytes": max,
+    "train_growth_bytes": max,
     "peak_rss_bytes": max,
     "model_state_bytes": max,
     "model_state_over_ideal": max,
@@ -36,6 +38,7 @@ FIGURES = {
 # reference job's of the same repeat and world size: the two ran close together, under about the same load.
 RATIOS = (
     ("growth_over_ddp", "growth_bytes", "ddp"),
+    ("train_growth_over_ddp", "train_growth_bytes", "ddp"),
     ("step_time_over_raw_fsdp2", "step_time_s", "raw_fsdp2"),
     ("step_time_over_model_parallel", "step_time_s", "model_parallel"),
     ("cpu_time_over_raw_fsdp2", "cpu_time_s", "raw_fsdp2"),
@@ -52,6 +55,14 @@ LABELS = {
 COLORS = {"ddp": "#8c8c8c", "fsdp2": "#1f77b4", "fsdp2_grad_op": "#7fb8e0", "model_parallel": "#ff7f0e",
           "raw_fsdp2": "#2ca02c"}
 
+# With ``--baseline NAME`` (an A/B candidate against what it would replace): these, over NAME's same-round job.
+BASELINE_RATIOS = (
+    ("growth_over_baseline", "growth_bytes"),
+    ("train_growth_over_baseline", "train_growth_bytes"),
+    ("step_time_over_baseline", "step_time_s"),
+    ("cpu_time_over_baseline", "cpu_time_s"),
+)
+
 Job = tuple[str, int, int]  # (strategy, world size, repeat)
 
 
@@ -63,8 +74,9 @@ def job_figures(rows: list[dict[str, Any]]) -> dict[Job, dict[str, float]]:
     return {job: {name: pick(r[name] for r in job_rows) for name, pick in FIGURES.items()} for job, job_rows in ranks.items()}
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (strategy, world size), in the order first run: medians, ranges and ratios over repeats."""
+def summarize(rows: list[dict[str, Any]], baseline: str | None = None) -> list[dict[str, Any]]:
+    """One entry per (strategy, world size), in the order first run: medians, ranges and ratios over repeats
+    (with ``baseline``, also over that strategy's job of the same round)."""
     jobs = job_figures(rows)
     summary = []
     for strategy, world_size in dict.fromkeys((s, w) for s, w, _ in jobs):
@@ -74,13 +86,19 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [jobs[strategy, world_size, r][name] for r in repeats]
             entry[name] = statistics.median(values)
             entry[f"{name}_min"], entry[f"{name}_max"] = min(values), max(values)
-        for key, name, reference in RATIOS:
+        pairs = [(key, name, reference) for key, name, reference in RATIOS]
+        if baseline is not None:
+            entry["baseline"] = baseline
+            pairs += [(key, name, baseline) for key, name in BASELINE_RATIOS]
+        for key, name, reference in pairs:
             ratios = [
                 jobs[strategy, world_size, r][name] / jobs[reference, world_size, r][name]
                 for r in repeats
                 if (reference, world_size, r) in jobs
             ]
             entry[key] = statistics.median(ratios) if ratios else None
+            if baseline is not None and reference == baseline:
+                entry[f"{key}_min"], entry[f"{key}_max"] = (min(ratios), max(ratios)) if ratios else (None, None)
         summary.append(entry)
     return summary
 
@@ -101,9 +119,15 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     header = (
         "| strategy | ranks | memory growth / rank (MiB) | vs ddp | model state / rank (MiB) | over ideal"
         " | step (ms) | vs raw_fsdp2 | vs model_parallel | CPU / step (ms) | CPU vs raw_fsdp2 | CPU vs model_parallel"
-        " | tokens/s |"
+        " | tokens/s | growth until training ended (MiB) | vs ddp |"
     )
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    baseline = summary[0].get("baseline") if summary else None
+    if baseline is not None:
+        header += (f" memory vs {baseline} [min, max] | until training ended vs {baseline} [min, max]"
+                   f" | CPU vs {baseline} [min, max] |")
+        rule += "---:|---:|---:|"
+    lines = [header, rule]
     for e in summary:
         cells = [
             e["strategy"],
@@ -119,13 +143,28 @@ def format_table(summary: list[dict[str, Any]]) -> str:
             _ratio(e["cpu_time_over_raw_fsdp2"]),
             _ratio(e["cpu_time_over_model_parallel"]),
             f"{e['tokens_per_s']:,.0f}",
+            _mib_range(e, "train_growth_bytes"),
+            _ratio(e["train_growth_over_ddp"]),
         ]
+        if baseline is not None:
+            cells += [_ratio_range(e, "growth_over_baseline"), _ratio_range(e, "train_growth_over_baseline"),
+                      _ratio_range(e, "cpu_time_over_baseline")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _mib_range(entry: dict[str, Any], key: str) -> str:
+    return f"{entry[key] / 2**20:,.0f} [{entry[f'{key}_min'] / 2**20:,.0f}, {entry[f'{key}_max'] / 2**20:,.0f}]"
+
+
+def _ratio_range(entry: dict[str, Any], key: str) -> str:
+    if entry[key] is None:
+        return "-"
+    return f"{entry[key]:.3f} [{entry[f'{key}_min']:.3f}, {entry[f'{key}_max']:.3f}]"
 
 
 def plot(summary: list[dict[str, Any]], path: Path, *, title: str) -> None:

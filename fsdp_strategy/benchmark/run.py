@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_strategy.benchmark.gpt import GPT_SIZES
-from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, STRATEGIES, load_model_class
+from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, STRATEGIES, load_model_class, parse_variant
 from fsdp_strategy.benchmark.report import format_table, plot, summarize, write_csv, write_json
 
 __all__ = ["EXTRAS", "Job", "interleaved_jobs", "parse_strategies", "require_extras", "run_benchmark", "validate"]
@@ -51,11 +51,11 @@ def require_extras(modules: tuple[str, ...] = EXTRAS) -> None:
 
 
 def parse_strategies(text: str) -> list[str]:
-    """``"ddp,fsdp2"`` as ``["ddp", "fsdp2"]``: benchmark strategies, each at most once."""
+    """``"ddp,fsdp2"`` as ``["ddp", "fsdp2"]``: benchmark strategies (or variants, see
+    :class:`~fsdp_strategy.benchmark.options.Variant`), each at most once."""
     names = [name.strip() for name in text.split(",")]
     for name in names:
-        if name not in STRATEGIES:
-            raise ValueError(f"`--strategies`: {name!r} is not one of {', '.join(STRATEGIES)}.")
+        parse_variant(name)
         if names.count(name) > 1:
             raise ValueError(f"`--strategies` names {name!r} more than once; got {text!r}.")
     return names
@@ -115,16 +115,20 @@ def run_benchmark(
     batch_size: int = 8,
     seq_len: int = 128,
     vocab_size: int = 256,
+    baseline: str | None = None,
     out: str | Path = "benchmark_results",
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Runs every job, writes ``results.csv``, ``results.json`` and ``plot.png`` to ``out``, prints the
+    """Runs every job (``baseline``: a strategy of ``strategies`` that the others are also compared with, round
+    by round), writes ``results.csv``, ``results.json`` and ``plot.png`` to ``out``, prints the
     summary table and returns the summary (one entry per strategy and world size)."""
     spec, model_args = validate(
         model=model, init_args=init_args, size=size, strategies=strategies, world_sizes=world_sizes,
         precision=precision, steps=steps, warmup=warmup, repeats=repeats, batch_size=batch_size, seq_len=seq_len,
         vocab_size=vocab_size,
     )
+    if baseline is not None and baseline not in strategies:
+        raise ValueError(f"`--baseline` must be one of the --strategies ({', '.join(strategies)}); got {baseline!r}.")
     require_extras()
     load_model_class(spec)  # a wrong --model fails here, once, not in every job
     worker_args = ["--model", spec, "--init-args", json.dumps(model_args), "--precision", precision,
@@ -134,9 +138,10 @@ def run_benchmark(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(rows)
+    summary = summarize(rows, baseline)
     config = _config(spec, model_args, rows, strategies=strategies, world_sizes=world_sizes, precision=precision,
-                     steps=steps, warmup=warmup, repeats=repeats, batch_size=batch_size, seq_len=seq_len)
+                     steps=steps, warmup=warmup, repeats=repeats, batch_size=batch_size, seq_len=seq_len,
+                     baseline=baseline)
     write_csv(rows, out / "results.csv")
     write_json(rows, summary, config, out / "results.json")
     plot(summary, out / "plot.png", title=config["title"])

@@ -28,6 +28,8 @@ import statistics
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import asdict
+from typing import Any
 from pathlib import Path
 
 import lightning as L
@@ -41,7 +43,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
-from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, STRATEGIES, load_model_class
+from fsdp_strategy import host_memory
+from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, load_model_class, parse_variant
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
@@ -53,7 +56,7 @@ SEED = 0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--strategy", choices=STRATEGIES, required=True)
+    p.add_argument("--strategy", type=_variant, required=True, help="a strategy or a variant (fsdp2:OPTION=VALUE)")
     p.add_argument("--model", required=True, help="MODULE:Class of a LightningModule")
     p.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")
     p.add_argument("--precision", choices=PRECISIONS, default="32-true")
@@ -64,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--out", required=True, help="directory for rank<R>.json")
     return p.parse_args(argv)
+
+
+def _variant(text: str) -> str:
+    parse_variant(text)  # a wrong one fails here, named
+    return text
 
 
 
@@ -146,10 +154,13 @@ class StepLog:
         self.cpu: list[float] = []
         self.grad_bytes = (0, 0)
         self.losses: list[float] = []
+        self.rss: list[int | None] = []  # at each batch start: where the growth happens
+        self.train_peak = 0  # peak RSS when training ended, before the strategy's teardown gathers anything
 
     def batch_start(self) -> None:
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        self.rss.append(current_rss_bytes())
         if self.progress:
             print(f"{PROGRESS_PREFIX} {len(self.wall)}/{self.total_batches}", flush=True)
 
@@ -178,6 +189,7 @@ class _Probe(Callback):
         self.step_log.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        self.step_log.train_peak = peak_rss_bytes()
         self.model_state = held_and_full_state_bytes(pl_module, trainer.optimizers[0], self.step_log.grad_bytes)
 
 
@@ -193,11 +205,15 @@ def held_and_full_state_bytes(
 def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, rank: int, world_size: int) -> tuple:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    strategy = args.strategy
+    variant = parse_variant(args.strategy)
+    strategy: Any = variant.strategy
     if strategy == "model_parallel":
         strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
-    torch.manual_seed(SEED)
-    model = benchmark_class(cls, args.strategy)(**init_args)
+    elif variant.options:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        registered = StrategyRegistry[variant.strategy]
+        strategy = registered["strategy"](**{**registered["init_params"], **variant.options})
     probe = _Probe(log)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, precision=args.precision,
@@ -206,6 +222,9 @@ def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: Ste
         use_distributed_sampler=False,  # Lightning's own sampler shuffles: the strategies would see other batches
         callbacks=[probe],
     )
+    torch.manual_seed(SEED)
+    with trainer.init_module(empty_init=True) if variant.init == "meta" else nullcontext():
+        model = benchmark_class(cls, variant.strategy)(**init_args)
     trainer.fit(model, train_dataloaders=token_loader(args, rank, world_size))
     return probe.model_state, sum(p.numel() for p in model.parameters())
 
@@ -228,6 +247,7 @@ def run_raw(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, 
         optimizer.step()
         optimizer.zero_grad()
         log.losses.append(loss.item())
+    log.train_peak = peak_rss_bytes()
     state = held_and_full_state_bytes(model, optimizer, log.grad_bytes)
     return state, sum(p.numel() for p in model.parameters())
 
@@ -237,6 +257,7 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
     walls, cpus = log.step_times(args.warmup, args.steps)
     step_time = statistics.median(walls)
     peak = peak_rss_bytes()
+    heap = host_memory.heap_stats()
     return {
         "strategy": args.strategy,
         "world_size": world_size,
@@ -248,6 +269,9 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
         "rss_after_imports_bytes": rss_after_imports,
         "peak_rss_bytes": peak,
         "growth_bytes": peak - rss_after_imports,
+        # Up to the end of training: "fsdp2" gives the module back in full after fit (as DDP leaves it), and
+        # that gathered state counts in growth_bytes, not here.
+        "train_growth_bytes": log.train_peak - rss_after_imports,
         "model_state_bytes": state[0],
         "model_state_total_bytes": state[1],
         "model_state_over_ideal": state[0] / (state[1] / world_size),
@@ -257,6 +281,8 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
         "tokens_per_s": world_size * args.batch_size * args.seq_len / step_time,
         "loss_last": log.losses[args.warmup + args.steps - 1],
         "step_times_s": walls,
+        "rss_at_batch_start_bytes": log.rss,
+        "heap_at_end": None if heap is None else asdict(heap),
     }
 
 
