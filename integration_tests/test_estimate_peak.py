@@ -20,7 +20,7 @@ from fsdp_strategy.testing.peak_runs import parse_config
 from integration_tests.conftest import torchrun
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
-BATCH, SEQ = 2, 32
+BATCH, SEQ = 8, 32
 ALL = [
     f"{strategy}/{precision}/{checkpointing}"
     for precision in ("32-true", "bf16-mixed")
