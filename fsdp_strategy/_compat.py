@@ -28,6 +28,7 @@ __all__ = [
     "make_wrapper_subclass",
     "op_arguments",
     "reduce_root_gradients_after",
+    "sharded_units",
     "tensor_version",
     "tree_flatten",
     "tree_map",
@@ -177,3 +178,24 @@ def averaged_model_of(callback: Any) -> Any:
     strategy shards it in place after sharding the module.
     """
     return callback._average_model
+
+
+def sharded_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
+    """The units ``fully_shard`` made below the root ``model``: each unit's modules (several for
+    ``fully_shard([a, b])``) and whether it reshards after forward.
+
+    The estimator reads a live model's plan from it. FSDP2 keeps which modules share one unit, and its
+    reshard setting, only in its private state (``FSDPModule._get_fsdp_state``, ``FSDPParamGroup.
+    post_forward_mesh_info``, torch >= 2.4); no public accessor exists (torch 2.13).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, tuple[list[nn.Module], bool]] = {}
+    for module in model.modules():
+        if module is model or not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        groups = state._fsdp_param_groups
+        reshards = any(group.post_forward_mesh_info is not None for group in groups)
+        units.setdefault(id(state), ([], reshards))[0].append(module)
+    return list(units.values())

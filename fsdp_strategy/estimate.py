@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from fsdp_strategy._compat import sharded_units
 from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.mesh import resolve_mesh_shape
 from fsdp_strategy.parallelize import plan_units
@@ -64,10 +65,10 @@ _OPTIMIZER_STATE = {
 }
 OPTIMIZERS = tuple(_OPTIMIZER_STATE)
 _STEP_COUNTER_BYTES = 4  # Adam's per-parameter fp32 "step" scalar
-# The root is sharded with reshard_after_forward=False, yet it is gathered twice per micro-batch as
-# trained (measured on torch 2.13): training_step runs as an FSDP forward, and the module's own
-# forward nested inside it leaves the root's state idle, so the end of training_step frees the root
-# and backward gathers it again.
+# The root is sharded with reshard_after_forward=False, yet its own parameters are gathered twice per
+# micro-batch as trained (measured on torch 2.13): training_step runs as an FSDP forward, and the
+# module's own forward nested inside it leaves the root's state idle, so the end of training_step frees
+# the root and backward gathers it again. The plan keeps everything else out of the root for that reason.
 _ROOT_GATHERS_PER_MICRO_BATCH = 2
 # The short spellings Lightning still accepts for Trainer(precision=...).
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -254,7 +255,10 @@ class _Group:
 
     params: list[_ParamInfo]
     is_root: bool = False
-    name: str = ""  # the unit's module, qualified ("" for the root and for DDP's single group)
+    # None: gathered again in backward unless the strategy keeps units gathered (fsdp2_grad_op);
+    # False: gathered once per micro-batch (the norm group and the rest of the model).
+    reshard_after_forward: bool | None = None
+    name: str = ""  # the unit's modules, qualified and comma-joined ("" for the root and for DDP's single group)
 
 
 def plan_groups(module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto") -> list[_Group]:
@@ -274,32 +278,40 @@ def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) ->
     """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
     # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
     low = mixed_precision_policy(precision)
+    units: list[tuple[list[nn.Module], MixedPrecisionPolicy | None, bool | None]]
     if any(isinstance(m, FSDPModule) for m in module.modules()):
-        # Already sharded: its units are the modules fully_shard was applied to.
-        policies = {
-            id(m): FULL_PRECISION_POLICY if low is not None and is_normalization(m) else low
-            for m in module.modules()
-            if isinstance(m, FSDPModule) and m is not module
-        }
+        # Already sharded: its units are the modules fully_shard was applied to, grouped as sharded.
+        units = []
+        for members, reshard_after_forward in sharded_units(module):
+            norms = low is not None and all(is_normalization(m) for m in members)
+            units.append((members, FULL_PRECISION_POLICY if norms else low, reshard_after_forward))
     else:
         policy = normalize_policy(wrap_policy, option="wrap_policy")
-        units = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
-        policies = {id(unit.module): unit.mp_policy for unit in units}
-    owners = _assign_parameters(module, list(policies))
+        planned = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
+        units = [(list(u.modules), u.mp_policy, u.reshard_after_forward) for u in planned]
+    owners = _assign_parameters(module, [[id(m) for m in members] for members, _, _ in units])
     names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
-    root = _Group(_param_infos(owners.pop(id(module), []), precision, low, names), is_root=True)
-    units = (_Group(_param_infos(params, precision, policies[key], names), name=modules[key]) for key, params in owners.items())
-    return [root, *units]
+    root = _Group(_param_infos(owners.pop(-1), precision, low, names), is_root=True)
+    return [root, *(
+        _Group(
+            _param_infos(owners[i], precision, policy, names),
+            name=",".join(modules[id(m)] for m in members),
+            reshard_after_forward=reshard,
+        )
+        for i, (members, policy, reshard) in enumerate(units)
+    )]
 
 
-def _assign_parameters(module: nn.Module, unit_ids: list[int]) -> dict[int, list[nn.Parameter]]:
-    """Each parameter under the innermost unit that contains it (the root when none does), once."""
-    owners: dict[int, list[nn.Parameter]] = {id(module): [], **{key: [] for key in unit_ids}}
+def _assign_parameters(module: nn.Module, units: list[list[int]]) -> dict[int, list[nn.Parameter]]:
+    """Each parameter under the innermost unit that contains it (key -1, the root, when none does), once;
+    ``units`` lists each unit's module ids."""
+    unit_of = {key: index for index, members in enumerate(units) for key in members}
+    owners: dict[int, list[nn.Parameter]] = {-1: [], **{index: [] for index in range(len(units))}}
     seen: set[int] = set()
-    stack = [(module, id(module))]
+    stack = [(module, -1)]
     while stack:
         current, owner = stack.pop()
-        owner = id(current) if id(current) in owners else owner
+        owner = unit_of.get(id(current), owner) if current is not module else -1
         for param in current.parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
@@ -428,28 +440,34 @@ def _estimate_groups(
 
 
 def _all_gather_bytes(sizes: list[_Sizes], groups: list[_Group], strategy: str, accumulate: int) -> int:
-    # Blocks are gathered in forward and, when resharded after it, again in backward; the root see
-    # _ROOT_GATHERS_PER_MICRO_BATCH. Every micro-batch gathers anew.
-    root = sum(s.gathered for s, g in zip(sizes, groups) if g.is_root)
-    blocks = sum(s.gathered for s, g in zip(sizes, groups) if not g.is_root)
-    per_micro_batch = root * _ROOT_GATHERS_PER_MICRO_BATCH + blocks * (1 if strategy == "fsdp2_grad_op" else 2)
-    return per_micro_batch * accumulate
+    # Blocks are gathered in forward and, when resharded after it, again in backward; groups kept
+    # gathered from forward to backward once; the root see _ROOT_GATHERS_PER_MICRO_BATCH. Every
+    # micro-batch gathers anew.
+    def gathers(group: _Group) -> int:
+        if group.is_root:
+            return _ROOT_GATHERS_PER_MICRO_BATCH
+        if group.reshard_after_forward is False or strategy == "fsdp2_grad_op":
+            return 1
+        return 2
+
+    return accumulate * sum(s.gathered * gathers(g) for s, g in zip(sizes, groups))
 
 
 def _fsdp_working_bytes(sizes: list[_Sizes], groups: list[_Group], strategy: str, accumulate: int) -> int:
-    """The worst moment of backward: the root's gathered parameters and their unsharded gradients,
-    the unit being computed (and, without ``grad_op``, the next one prefetched), its unsharded
-    gradient and its reduce-scatter input. ``fsdp2_grad_op`` keeps every unit gathered from
-    forward until its backward. Accumulating micro-batches keeps every unsharded gradient."""
-    root = next(s for s, g in zip(sizes, groups) if g.is_root)
-    blocks = [s for s, g in zip(sizes, groups) if not g.is_root]
-    reduce_step = max([root.reduced, *(b.gathered_grads + b.reduced for b in blocks)])
+    """The worst moment of backward: the units kept gathered from forward to backward (the root and
+    the groups not resharded after forward) with their unsharded gradients, the block being computed
+    (and, without ``grad_op``, the next one prefetched), its unsharded gradient and its reduce-scatter
+    input. ``fsdp2_grad_op`` keeps every unit gathered from forward until its backward. Accumulating
+    micro-batches keeps every unsharded gradient."""
+    kept = [s for s, g in zip(sizes, groups) if g.is_root or g.reshard_after_forward is False]
+    blocks = [s for s, g in zip(sizes, groups) if not (g.is_root or g.reshard_after_forward is False)]
+    reduce_step = max([*(k.reduced for k in kept), *(b.gathered_grads + b.reduced for b in blocks)])
     if strategy == "fsdp2_grad_op":
         gathered = sum(s.gathered for s in sizes)
     else:
-        gathered = root.gathered + 2 * max([0, *(b.gathered for b in blocks)])
+        gathered = sum(k.gathered for k in kept) + 2 * max([0, *(b.gathered for b in blocks)])
     accumulated = sum(s.reduced for s in sizes) if accumulate > 1 else 0
-    return gathered + root.gathered_grads + reduce_step + accumulated
+    return gathered + sum(k.gathered_grads for k in kept) + reduce_step + accumulated
 
 
 def _ddp_working_bytes(group: _Group, grads: int) -> int:

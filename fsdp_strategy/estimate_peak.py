@@ -142,6 +142,11 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate,
     sizes = {g.name if not g.is_root else "": _sizes(g, shards) for g in groups}
     owner = {p.name: ("" if g.is_root else g.name) for g in groups for p in g.params}
     reshard_after_forward = estimate.strategy != "fsdp2_grad_op"
+    # Groups sharded with reshard_after_forward=False stay gathered from their forward until their backward.
+    kept = {g.name for g in groups if not g.is_root and g.reshard_after_forward is False}
+    # A group's gradients are reduced once every member's backward is done (or when backward ends).
+    members = {g.name: g.name.count(",") + 1 for g in groups if not g.is_root}
+    backward_done: dict[str, int] = {}
     offload = estimate.strategy == "fsdp2_offload"
     reduce = role in ("only", "last")
     held = estimate.param_bytes + estimate.optimizer_bytes + trace.buffer_bytes + trace.batch_bytes * (_BATCHES_HELD - 1)
@@ -211,7 +216,7 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate,
         kind = record[0]
         if kind == "fw":
             gather(record[1])
-        elif kind == "fw_end" and reshard_after_forward:
+        elif kind == "fw_end" and reshard_after_forward and record[1] not in kept:
             gathered.pop(record[1], None)
         elif kind == "root_fw_end":
             buffers.clear()
@@ -232,7 +237,9 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate,
             else:
                 unsharded[unit] += record[2]
         elif kind == "bw_end":
-            post_backward(record[1])
+            backward_done[record[1]] = backward_done.get(record[1], 0) + 1
+            if backward_done[record[1]] >= members.get(record[1], 1):
+                post_backward(record[1])
     for unit in reversed(order):  # units whose inputs needed no gradient reduce at the end of backward
         post_backward(unit)
     post_backward("")

@@ -212,12 +212,14 @@ class _Hooks:
         for group in groups:
             if group.is_root or not group.name:
                 continue
-            module = model.get_submodule(group.name)
             dtype = None
             if cast is not None:  # FSDP2 casts a unit's floating inputs to its parameters' dtype
                 dtype = next((cast[p.name] for p in group.params if cast.get(p.name) is not None), torch.float32)
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward(group.name, dtype), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post_forward(group.name)))
+            # A group of several modules (fully_shard([a, b])) is one unit: every member's events are the unit's.
+            for member in group.name.split(","):
+                module = model.get_submodule(member)
+                self.handles.append(module.register_forward_pre_hook(self._pre_forward(group.name, dtype), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._post_forward(group.name)))
         # FSDP2 lets go of the last unit's all-gather buffer when the root's forward ends.
         self.handles.append(model.register_forward_hook(lambda *_: None if self.backward else records.append(("root_fw_end",))))
         params = dict(model.named_parameters())

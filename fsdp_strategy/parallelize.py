@@ -36,6 +36,7 @@ __all__ = [
     "apply_fully_shard",
     "load_full_tensors_into_shards",
     "plan_units",
+    "reshard_units",
 ]
 
 # The LightningModule is the FSDP root, but Lightning calls these instead of forward().
@@ -44,47 +45,119 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 @dataclass(frozen=True)
 class ShardedUnit:
-    """One module that ``fully_shard`` turns into a unit: its parameters are gathered together."""
+    """What ``fully_shard`` turns into one unit: one module, or several sharded together
+    (``fully_shard([modules])``), whose parameters are gathered together."""
 
-    name: str
-    module: nn.Module
+    names: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
     mp_policy: MixedPrecisionPolicy
     num_params: int  # parameters this unit manages itself, not those of units nested in it
+    # None: the strategy's reshard_after_forward; False: gathered once per forward and backward.
+    reshard_after_forward: bool | None = None
+
+    @property
+    def name(self) -> str:
+        return ", ".join(self.names)
+
+    @property
+    def module(self) -> nn.Module:
+        """The unit's module; the first one of a group."""
+        return self.modules[0]
 
 
 def plan_units(
     model: nn.Module, wrap_policy: ModulePolicy | None, *, mp_policy: MixedPrecisionPolicy, keep_norms_fp32: bool
 ) -> list[ShardedUnit]:
-    """The units to shard inside ``model`` (the root is not included), children before parents.
+    """The units to shard inside ``model`` (the root is not included), in the order to shard them.
 
-    Beyond the policy's blocks: normalization layers under mixed precision (kept in fp32). Everything
-    else belongs to the root; small modules of their own (embeddings, a final norm) would each cost a
-    collective per step for little memory. A module whose parameters are shared with a module outside
-    it (tied embeddings) is left to its parent, since one parameter can belong to one unit only.
+    1. Under mixed precision, every normalization layer, as one fp32 group not resharded after forward:
+       norms are tiny, and one group costs one all-gather and one reduce-scatter per micro-batch where a
+       unit per norm costs two all-gathers and a reduce-scatter each.
+    2. The policy's blocks.
+    3. Everything else below the root (embeddings, final norm, output head, tied weights, small heads)
+       as one group not resharded after forward: gathered once when its first module runs and kept
+       until backward, as torchtitan and Accelerate shard the embedding and the tail. The root then
+       holds only its own parameters. Registering ``training_step`` as an FSDP forward reshards the
+       root when the step ends, so backward gathers it again: keeping the rest out of the root saves
+       that second all-gather of the largest tensors (a large vocabulary's embedding).
+
+    A module whose parameters are shared with a module outside it (tied embeddings) is never a block
+    or norm unit, since one parameter can belong to one unit only; it joins the group of step 3 with
+    the module it shares with, or stays in the root when it shares with the root's own parameters.
     Subtrees the user already sharded stay as they are.
     """
     named = list(model.named_modules())
     user_sharded = [name for name, module in named[1:] if isinstance(module, FSDPModule)]
     owners = _parameter_owners(model)
 
+    def inside(name: str, prefixes: Sequence[str]) -> bool:
+        return any(name == u or name.startswith(u + ".") for u in prefixes)
+
     def eligible(name: str, module: nn.Module) -> bool:
-        inside_user_unit = any(name == u or name.startswith(u + ".") for u in user_sharded)
-        return not inside_user_unit and not _shares_parameters_outside(name, module, owners)
+        return not inside(name, user_sharded) and not _shares_parameters_outside(name, module, owners)
 
-    chosen: dict[str, MixedPrecisionPolicy] = {}
+    blocks: dict[str, nn.Module] = {}
     if wrap_policy is not None:
-        chosen.update((name, mp_policy) for name, module in select_modules(model, wrap_policy) if eligible(name, module))
+        blocks.update((name, module) for name, module in select_modules(model, wrap_policy) if eligible(name, module))
+    norms = []
     if keep_norms_fp32:
-        chosen.update((name, FULL_PRECISION_POLICY) for name, module in named[1:] if is_normalization(module) and eligible(name, module))
+        norms = [(name, module) for name, module in named[1:] if is_normalization(module) and eligible(name, module)]
 
-    units = []
-    for name, module in reversed(named[1:]):  # post-order: fully_shard must see inner units first
-        if name in chosen:
-            nested = [n for n in chosen if n.startswith(name + ".")]
-            nested_params = {id(p) for n in nested for p in model.get_submodule(n).parameters()}
-            num_params = sum(p.numel() for p in module.parameters() if id(p) not in nested_params)
-            units.append(ShardedUnit(name, module, chosen[name], num_params))
+    units: list[ShardedUnit] = []
+    claimed: set[int] = set()  # parameters of the units planned so far
+    if norms:
+        units.append(_unit(norms, FULL_PRECISION_POLICY, claimed, reshard_after_forward=False))
+    # post-order: fully_shard must see inner units first
+    for name, module in reversed(named[1:]):
+        if name in blocks:
+            units.append(_unit([(name, module)], mp_policy, claimed))
+    rest = _rest_of_the_model(model, claimed, [*user_sharded, *blocks, *(name for name, _ in norms)])
+    if rest:
+        units.append(_unit(rest, mp_policy, claimed, reshard_after_forward=False))
     return units
+
+
+def _unit(
+    members: Sequence[tuple[str, nn.Module]],
+    mp_policy: MixedPrecisionPolicy,
+    claimed: set[int],
+    *,
+    reshard_after_forward: bool | None = None,
+) -> ShardedUnit:
+    params = {id(p): p for _, module in members for p in module.parameters() if id(p) not in claimed}
+    claimed.update(params)
+    return ShardedUnit(
+        names=tuple(name for name, _ in members),
+        modules=tuple(module for _, module in members),
+        mp_policy=mp_policy,
+        num_params=sum(p.numel() for p in params.values()),
+        reshard_after_forward=reshard_after_forward,
+    )
+
+
+def _rest_of_the_model(model: nn.Module, claimed: set[int], units: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The outermost modules below the root that hold parameters of no unit and contain no unit.
+
+    A module whose parameters are also the root's own (registered on the root itself) is left to the root.
+    """
+    root_own = {id(p) for p in model.parameters(recurse=False)}
+    members = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if name in units:
+                continue
+            free = [p for p in child.parameters() if id(p) not in claimed]
+            if not free:
+                continue
+            if any(u.startswith(name + ".") for u in units):
+                visit(name, child)  # its own parameters beyond the units stay in the root
+            elif not any(id(p) in root_own for p in free):
+                members.append((name, child))
+
+    visit("", model)
+    return members
 
 
 def apply_fully_shard(
@@ -99,20 +172,35 @@ def apply_fully_shard(
     """Shards each unit, then ``model`` itself as the root, and routes its step methods through FSDP."""
     for unit in units:
         fully_shard(
-            unit.module,
+            unit.modules[0] if len(unit.modules) == 1 else list(unit.modules),
             mesh=mesh,
             mp_policy=unit.mp_policy,
             offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward,
         )
-    # The root's parameters are needed again right after its "forward" (the whole *_step) ends,
-    # so resharding them in between would only add an all-gather. Its "forward" receives the batch:
-    # hand it over unchanged, as DDP does, and let autocast choose compute dtypes.
+    # The root's "forward" (the whole *_step) receives the batch: hand it over unchanged, as DDP does,
+    # and let autocast choose compute dtypes. Its own parameters, if any, are needed again right after
+    # the step, so resharding them in between would only add an all-gather.
     root_policy = dataclasses.replace(root_mp_policy, cast_forward_inputs=False)
     fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload_policy, reshard_after_forward=False)
+    # Lightning calls the step methods, not forward: routed through the root's FSDP hooks, they gather
+    # the root's own parameters (a step may use them without calling forward) and start each pass.
     for method in STEP_METHODS:
         if hasattr(model, method) and _is_user_method(model, method):
             register_fsdp_forward_method(model, method)
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Frees every gathered unit of ``model``, the root included.
+
+    Units not resharded after forward stay gathered until a backward frees them. A forward without
+    backward (an evaluation step, a ``no_grad`` forward in a manual step) would leave them gathered,
+    holding values that an optimizer step or a weight load then makes stale, and would hand FSDP's
+    unsharded parameters to code that expects the shards. A unit already sharded is left as it is.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def load_full_tensors_into_shards(model: nn.Module) -> list[RemovableHandle]:

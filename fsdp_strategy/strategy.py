@@ -43,6 +43,7 @@ from fsdp_strategy.parallelize import (
     apply_fully_shard,
     load_full_tensors_into_shards,
     plan_units,
+    reshard_units,
 )
 from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
 from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, unshard
@@ -82,12 +83,13 @@ class FSDP2Strategy(ParallelStrategy):
 
     Each rank keeps about 1/N of the parameters, gradients and optimizer state, and gathers a unit's
     full parameters only while it computes. The module needs no changes: repeated blocks are found
-    and sharded one by one, then the LightningModule itself becomes the root unit.
+    and sharded one by one, the rest of the model below the LightningModule as one group gathered once
+    per micro-batch, then the LightningModule itself becomes the root unit.
 
     Args:
         wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.policy`):
             ``"auto"`` (repeated blocks), class names, module classes, a ``(name, module) -> bool``
-            callable, a minimum parameter count, or ``None`` for one unit holding everything.
+            callable, a minimum parameter count, or ``None`` for no blocks (one group holding everything).
         activation_checkpointing_policy: modules whose activations are recomputed in backward, in the
             same forms (``"auto"`` = the repeated blocks). ``None`` turns it off.
         reshard_after_forward: ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
@@ -613,27 +615,32 @@ class FSDP2Strategy(ParallelStrategy):
             return out
         finally:
             if self._in_manual_step and isinstance(self.model, FSDPModule):
-                self.model.reshard()
+                reshard_units(self.model)
             self._in_manual_step = False
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._buffer_step(gradient_sync=False):
             output = super().validation_step(*args, **kwargs)
-        self._check_unit_order("validation_step")
+        self._after_evaluation_step("validation_step")
         return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().test_step(*args, **kwargs)
-        self._check_unit_order("test_step")
+        self._after_evaluation_step("test_step")
         return output
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().predict_step(*args, **kwargs)
-        self._check_unit_order("predict_step")
+        self._after_evaluation_step("predict_step")
         return output
+
+    def _after_evaluation_step(self, during: str) -> None:
+        if isinstance(self.model, FSDPModule):  # no backward frees the units kept gathered after forward
+            reshard_units(self.model)
+        self._check_unit_order(during)
 
     def _check_unit_order(self, during: str) -> None:
         # An evaluation step reduces nothing to carry the digest: one small all-reduce of its own, before its
@@ -687,6 +694,9 @@ class FSDP2Strategy(ParallelStrategy):
                 device=self.root_device,
                 scaler=getattr(self.precision_plugin, "scaler", None),
             )
+        if self._in_manual_step and isinstance(self.model, FSDPModule):
+            # A unit gathered by a forward without backward would keep its values from before this update.
+            reshard_units(self.model)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._host_memory == "release":  # the step's buffers are free now, the next step's not yet taken
             host_memory.release()

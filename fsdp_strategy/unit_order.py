@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_strategy._compat import sharded_units
 from fsdp_strategy.policy import class_name
 from fsdp_strategy.precision import is_normalization
 
@@ -58,14 +59,20 @@ class UnitOrder:
     def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
         self.model = model
         self.group = group
-        units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
-        self.names = [name for name, _ in units]
-        self.classes = [class_name(m) for _, m in units]
-        self._norms = [is_normalization(m) for _, m in units]
-        self._routers = [_router(model, name) for name in self.names]
+        names = {id(m): name for name, m in model.named_modules()}
+        units = sharded_units(model)
+        self.names = [", ".join(names[id(m)] for m in members) for members, _ in units]
+        self.classes = [", ".join(class_name(m) for m in members) for members, _ in units]
+        # Norm units and groups (fully_shard([a, b])) are the strategy's own, never a wrap_policy's.
+        self._norms = [len(members) > 1 or is_normalization(members[0]) for members, _ in units]
+        self._routers = [_router(model, names[id(members[0])]) if len(members) == 1 else None for members, _ in units]
+        # A group gathers when the first of its modules runs and stays gathered until backward frees it:
+        # one record per group between backward passes, whichever of its modules ran (a head that some
+        # batches skip, inside the group of the embedding, moves nothing of its own).
+        self._grouped = [len(members) > 1 for members, _ in units]
         self._in_backward = False
         self.reset()
-        self._handles = [m.register_forward_pre_hook(self._recorder(i)) for i, (_, m) in enumerate(units)]
+        self._handles = [m.register_forward_pre_hook(self._recorder(i)) for i, (members, _) in enumerate(units) for m in members]
 
     @classmethod
     def attach(cls, model: nn.Module, *, group: dist.ProcessGroup | None = None) -> UnitOrder | None:
@@ -80,6 +87,10 @@ class UnitOrder:
         def record(module: nn.Module, args: tuple) -> None:
             if self._in_backward:
                 return
+            if self._grouped[index]:
+                if index in self._groups_seen:
+                    return
+                self._groups_seen.add(index)
             self._digest = (self._digest * _BASE + index + 1) % _MODULUS
             self._counts[index] += 1
             if len(self._order) < _KEPT:
@@ -92,6 +103,7 @@ class UnitOrder:
         self._digest = 0
         self._counts = [0] * len(self.names)
         self._order: list[int] = []
+        self._groups_seen: set[int] = set()
         self._in_backward = False
 
     def before_backward(self) -> None:
@@ -100,6 +112,7 @@ class UnitOrder:
 
     def after_backward(self) -> None:
         self._in_backward = False
+        self._groups_seen.clear()  # backward freed the groups: their next forward gathers again
 
     def fingerprint(self) -> list[int]:
         """This rank's digest and its negation: after an all-reduce with MAX, the highest and minus the lowest."""
@@ -176,7 +189,7 @@ def _fix(order: UnitOrder, culprits: Sequence[int]) -> str:
     if routers:
         fix = f"Fix: wrap the module that routes to them as the unit, not each of them: {policy}."
     else:
-        fix = f"Fix: leave them out of the units, so that they belong to the root unit, which always runs: {policy}."
+        fix = f"Fix: leave them out of the units, so that they are gathered with the rest of the model outside the blocks, once per step on every rank: {policy}."
     return (
         f"{fix} (wrap_policy=\"auto\" makes a unit of each child of an nn.ModuleList or nn.Sequential that holds"
         " two or more modules of one class; an explicit wrap_policy chooses instead.)"

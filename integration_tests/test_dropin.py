@@ -83,7 +83,7 @@ UNITS_DISAGREE = (
     " modules of one class; an explicit wrap_policy chooses instead.)"
 )
 TRAINING = {"when": "since the last gradient reduction", "damage": "the gradients of this step are wrong (no optimizer step was taken with them)"}
-ROOT_FIX = "leave them out of the units, so that they belong to the root unit, which always runs: wrap_policy=['Block']."
+ROOT_FIX = "leave them out of the units, so that they are gathered with the rest of the model outside the blocks, once per step on every rank: wrap_policy=['Block']."
 LAYER_FIX = "wrap the module that routes to them as the unit, not each of them: wrap_policy=['Block', 'MoEBlock']."
 
 

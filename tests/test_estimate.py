@@ -59,11 +59,12 @@ def meta(cls=Net, **kwargs) -> nn.Module:
 
 
 # Rank 0's shards at 2 ranks, in elements: the embedding ceil(7/2)=4 rows of 4 = 16; a block's weight
-# 2 rows of 4 = 8 and bias 2 = 10 per block. Gathered (padded to 2 shards): root 32, block 20.
+# 2 rows of 4 = 8 and bias 2 = 10 per block. Gathered (padded to 2 shards): the rest of the model (the
+# tied embedding and head, one group) 32, a block 20. The root holds nothing.
 SHARD_2 = 16 + 10 + 10
-ROOT_FULL, BLOCK_FULL = 32, 20
-# The root is gathered in forward and, as trained (training_step calls forward), again in backward.
-ROOT_GATHERS = 2
+REST_FULL, BLOCK_FULL = 32, 20
+# The rest of the model is one group kept gathered from forward to backward: one all-gather per micro-batch.
+REST_GATHERS = 1
 
 
 # --- byte counts ----------------------------------------------------------------------------------
@@ -75,16 +76,24 @@ def test_fsdp2_counts_padded_shards_and_the_tied_weight_once():
     assert est.param_bytes == est.grad_bytes == SHARD_2 * F32 == 144
     assert est.optimizer_bytes == 2 * 144 + 5 * 4  # exp_avg, exp_avg_sq, and a step counter per tensor
     assert est.model_state_bytes == 144 + 144 + 308
-    assert est.largest_unit_bytes == ROOT_FULL * F32  # the root (the embedding) is the largest unit
-    # Each unit is gathered in forward and again in backward.
-    assert est.all_gather_bytes == (ROOT_GATHERS * ROOT_FULL + 2 * 2 * BLOCK_FULL) * F32 == 576
-    assert est.reduce_scatter_bytes == (ROOT_FULL + 2 * BLOCK_FULL) * F32 == 288
+    assert est.largest_unit_bytes == REST_FULL * F32  # the group of the tied embedding and head is the largest
+    # Each block is gathered in forward and again in backward, the rest of the model once.
+    assert est.all_gather_bytes == (REST_GATHERS * REST_FULL + 2 * 2 * BLOCK_FULL) * F32 == 448
+    assert est.reduce_scatter_bytes == (REST_FULL + 2 * BLOCK_FULL) * F32 == 288
     assert est.all_reduce_bytes == est.host_bytes == 0
-    # root gathered + two blocks (one prefetched) + root's unsharded gradients + a block's gradient and its
-    # reduce-scatter input
-    assert est.working_bytes == (ROOT_FULL + 2 * BLOCK_FULL + ROOT_FULL + 2 * BLOCK_FULL) * F32
+    # the rest gathered + two blocks (one prefetched) + the rest's unsharded gradients + a block's gradient
+    # and its reduce-scatter input
+    assert est.working_bytes == (REST_FULL + 2 * BLOCK_FULL + REST_FULL + 2 * BLOCK_FULL) * F32
     assert est.peak_bytes == est.model_state_bytes + est.working_bytes
-    assert est.sent_bytes == (576 + 288) // 2
+    assert est.sent_bytes == (448 + 288) // 2
+
+
+def test_the_roots_own_parameters_are_gathered_twice_the_groups_once():
+    model = meta()
+    with torch.device("meta"):
+        model.gain = nn.Parameter(torch.ones(6))  # the root's own: gathered by training_step and again in backward
+    est = estimate_module(model, strategy="fsdp2", world_size=2)
+    assert est.all_gather_bytes == (2 * 6 + REST_GATHERS * REST_FULL + 2 * 2 * BLOCK_FULL) * F32
 
 
 def test_one_rank_keeps_everything_and_communicates_nothing():
@@ -97,18 +106,18 @@ def test_mixed_precision_keeps_fp32_shards_gathers_in_bf16_and_norms_in_fp32():
     est = estimate_module(meta(norm=True), strategy="fsdp2", world_size=2, precision="bf16-mixed")
     norm_shard, norm_full = 2 + 2, 8  # LayerNorm(3): weight and bias, 2 of 3 elements each; gathered 4 each
     assert est.param_bytes == (SHARD_2 + 2 * norm_shard) * F32
-    # the root and the blocks in bf16, the norm units in fp32
-    per_micro_batch = ROOT_GATHERS * ROOT_FULL * 2 + 2 * 2 * (BLOCK_FULL * 2 + norm_full * F32)
+    # the rest and the blocks in bf16; both norms in one fp32 group, gathered once like the rest
+    per_micro_batch = REST_GATHERS * REST_FULL * 2 + 2 * 2 * BLOCK_FULL * 2 + 2 * norm_full * F32
     assert est.all_gather_bytes == per_micro_batch
-    assert est.reduce_scatter_bytes == (ROOT_FULL + 2 * (BLOCK_FULL + norm_full)) * F32  # reduced in fp32
-    assert est.largest_unit_bytes == ROOT_FULL * 2
+    assert est.reduce_scatter_bytes == (REST_FULL + 2 * (BLOCK_FULL + norm_full)) * F32  # reduced in fp32
+    assert est.largest_unit_bytes == REST_FULL * 2
 
 
 def test_true_half_precision_keeps_everything_in_the_low_dtype():
     est = estimate_module(meta(), strategy="fsdp2", world_size=2, precision="bf16-true")
     assert est.param_bytes == est.grad_bytes == SHARD_2 * 2
     assert est.optimizer_bytes == 2 * SHARD_2 * 2 + 5 * 4
-    assert est.all_gather_bytes == 576 // 2
+    assert est.all_gather_bytes == 448 // 2
 
 
 def test_optimizers_and_frozen_parameters():
@@ -125,13 +134,13 @@ def test_optimizers_and_frozen_parameters():
 
 def test_grad_op_gathers_once_per_micro_batch_and_reduces_once_per_step():
     est = estimate_module(meta(), strategy="fsdp2_grad_op", world_size=2, accumulate_grad_batches=2)
-    assert est.all_gather_bytes == 2 * (ROOT_GATHERS * ROOT_FULL + 2 * BLOCK_FULL) * F32
+    assert est.all_gather_bytes == 2 * (REST_GATHERS * REST_FULL + 2 * BLOCK_FULL) * F32
     assert est.reduce_scatter_bytes == 288
     # every unit stays gathered; accumulation keeps every unsharded gradient in the reduce dtype
     gathered, root_grads, block_grad_and_input, accumulated = 288, 128, 160, 288
     assert est.working_bytes == gathered + root_grads + block_grad_and_input + accumulated
     fsdp2 = estimate_module(meta(), strategy="fsdp2", world_size=2, accumulate_grad_batches=2)
-    assert fsdp2.all_gather_bytes == 2 * 576
+    assert fsdp2.all_gather_bytes == 2 * 448
 
 
 def test_hybrid_shards_within_a_node_and_all_reduces_the_shard():
@@ -140,8 +149,8 @@ def test_hybrid_shards_within_a_node_and_all_reduces_the_shard():
     assert est.note == ""
     assert est.param_bytes == 144  # sharded over 2, as fsdp2 at 2 ranks
     assert est.all_reduce_bytes == 144  # the fp32 gradient shard across the 2 replicas
-    assert (est.all_gather_bytes, est.reduce_scatter_bytes) == (576, 288)
-    assert est.sent_bytes == (576 + 288) // 2 + 144
+    assert (est.all_gather_bytes, est.reduce_scatter_bytes) == (448, 288)
+    assert est.sent_bytes == (448 + 288) // 2 + 144
 
 
 def test_hybrid_without_processes_per_node_assumes_two_nodes():
@@ -178,8 +187,9 @@ def test_ddp_replicates_all_reduces_gradients_and_counts_its_buckets():
 
 def test_an_explicit_wrap_policy_and_none():
     one_unit = estimate_module(meta(), strategy="fsdp2", world_size=2, wrap_policy=None)
-    assert one_unit.largest_unit_bytes == (ROOT_FULL + 2 * BLOCK_FULL) * F32
-    assert one_unit.all_gather_bytes == ROOT_GATHERS * (ROOT_FULL + 2 * BLOCK_FULL) * F32  # the root only
+    assert one_unit.largest_unit_bytes == (REST_FULL + 2 * BLOCK_FULL) * F32
+    # one group of everything below the root, gathered once
+    assert one_unit.all_gather_bytes == (REST_FULL + 2 * BLOCK_FULL) * F32
     by_name = estimate_module(meta(), strategy="fsdp2", world_size=2, wrap_policy=["Block"])
     assert by_name == estimate_module(meta(), strategy="fsdp2", world_size=2)
 

@@ -44,20 +44,19 @@ def shard(model: nn.Module, mesh, policy="auto", mp_policy=FP32, keep_norms_fp32
 # --- plan_units ----------------------------------------------------------------------------------------
 
 
-def test_plan_under_mixed_precision_has_blocks_and_fp32_norm_units():
+def test_plan_under_mixed_precision_has_one_fp32_norm_group_the_blocks_and_the_rest():
     model = TinyLM()
     units = plan_units(model, auto(), mp_policy=BF16, keep_norms_fp32=True)
-    policies = {unit.name: unit.mp_policy for unit in units}
-    blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
-    norms = [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
-    assert set(policies) == set(blocks) | set(norms)
-    assert all(policies[name] is BF16 for name in blocks)
-    assert all(policies[name] is FULL_PRECISION_POLICY for name in norms)
-    for i in range(len(model.blocks)):  # each block's own norm is sharded before the block holding it
-        assert [u.name for u in units].index(f"blocks.{i}.norm") < [u.name for u in units].index(f"blocks.{i}")
+    norms = tuple(name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm))
+    blocks = [(f"blocks.{i}",) for i in reversed(range(len(model.blocks)))]
+    # the norms first: they sit inside the blocks, and fully_shard must see inner units first
+    assert [unit.names for unit in units] == [norms, *blocks, ("embed", "head")]
+    assert [unit.mp_policy for unit in units] == [FULL_PRECISION_POLICY, *[BF16] * len(blocks), BF16]
+    # the groups stay gathered from forward to backward; blocks follow the strategy's setting
+    assert [unit.reshard_after_forward for unit in units] == [False, *[None] * len(blocks), False]
 
 
-def test_unit_parameter_counts_exclude_nested_units_and_leave_the_rest_to_the_root():
+def test_unit_parameter_counts_exclude_nested_units_and_leave_the_root_its_own_parameters():
     model = TinyLM()
     units = plan_units(model, auto(), mp_policy=BF16, keep_norms_fp32=True)
     by_name = {unit.name: unit.num_params for unit in units}
@@ -65,41 +64,53 @@ def test_unit_parameter_counts_exclude_nested_units_and_leave_the_rest_to_the_ro
     assert by_name["blocks.0"] == sum(p.numel() for p in block.parameters()) - sum(
         p.numel() for p in block.norm.parameters()
     )
-    root_only = model.embed.weight.numel() + model.scale.numel()  # the tied embedding/head and the root's own parameter
-    assert sum(by_name.values()) + root_only == sum(p.numel() for p in model.parameters())
+    assert by_name["embed, head"] == model.embed.weight.numel()  # the tied weight, once
+    assert sum(by_name.values()) + model.scale.numel() == sum(p.numel() for p in model.parameters())
 
 
-def test_plan_without_mixed_precision_has_only_the_blocks_and_leaves_the_rest_to_the_root():
+def test_plan_without_mixed_precision_has_the_blocks_then_everything_else_as_one_group():
     model = TinyLM()
     units = plan_units(model, auto(), mp_policy=FP32, keep_norms_fp32=False)
     names = [unit.name for unit in units]
-    assert names == [f"blocks.{i}" for i in reversed(range(len(model.blocks)))]
+    assert names == [f"blocks.{i}" for i in reversed(range(len(model.blocks)))] + ["embed, norm, head"]
     assert all(unit.mp_policy is FP32 for unit in units)
 
 
-def test_tied_embedding_and_head_are_never_units_even_when_selected():
+def test_tied_embedding_and_head_are_never_units_of_their_own_even_when_selected():
     model = TinyLM()
     policy = normalize_policy({nn.Embedding, nn.Linear, Block}, option="wrap_policy")
-    names = [unit.name for unit in plan_units(model, policy, mp_policy=FP32, keep_norms_fp32=False)]
-    assert "embed" not in names
-    assert "head" not in names
-    assert "blocks.0.attn_q" in names  # untied Linears are still selected
+    units = plan_units(model, policy, mp_policy=FP32, keep_norms_fp32=False)
+    assert [unit.names for unit in units if "embed" in unit.names] == [("embed", "norm", "head")]
+    assert "blocks.0.attn_q" in [unit.name for unit in units]  # untied Linears are still selected
+
+
+def test_a_module_sharing_parameters_with_the_root_itself_stays_in_the_root():
+    model = TinyLM()
+    model.norm.weight = model.scale  # the root's own parameter
+    units = plan_units(model, auto(), mp_policy=FP32, keep_norms_fp32=False)
+    assert units[-1].names == ("embed", "head")
 
 
 def test_units_are_planned_post_order_with_their_own_parameter_counts():
     model = TinyGAN()
     policy = normalize_policy(lambda name, module: name in ("generator", "generator.0"), option="wrap_policy")
     units = plan_units(model, policy, mp_policy=FP32, keep_norms_fp32=False)
-    assert [unit.name for unit in units] == ["generator.0", "generator"]
+    assert [unit.name for unit in units] == ["generator.0", "generator", "discriminator"]
     generator = {unit.name: unit.num_params for unit in units}["generator"]
     assert generator == sum(p.numel() for p in model.generator[2].parameters())
 
 
-def test_no_wrap_policy_plans_no_units_except_fp32_norms():
+def test_no_wrap_policy_plans_one_group_below_the_root_and_the_fp32_norms():
     model = TinyLM()
-    assert plan_units(model, None, mp_policy=FP32, keep_norms_fp32=False) == []
-    norms_only = plan_units(model, None, mp_policy=BF16, keep_norms_fp32=True)
-    assert norms_only and all(isinstance(unit.module, nn.LayerNorm) for unit in norms_only)
+    assert [unit.names for unit in plan_units(model, None, mp_policy=FP32, keep_norms_fp32=False)] == [
+        ("embed", "blocks", "norm", "head")
+    ]
+    norms, rest = plan_units(model, None, mp_policy=BF16, keep_norms_fp32=True)
+    assert norms.modules and all(isinstance(module, nn.LayerNorm) for module in norms.modules)
+    # the outermost modules that hold no norm: the blocks' layers one by one
+    assert rest.names[:2] == ("embed", "blocks.0.attn_q") and rest.names[-1] == "head"
+    assert not any(isinstance(m, nn.LayerNorm) for module in rest.modules for m in module.modules())
+    assert norms.num_params + rest.num_params + model.scale.numel() == sum(p.numel() for p in model.parameters())
 
 
 def test_modules_the_user_already_sharded_are_left_alone(mesh):
@@ -108,7 +119,7 @@ def test_modules_the_user_already_sharded_are_left_alone(mesh):
     units = plan_units(model, auto(), mp_policy=BF16, keep_norms_fp32=True)
     names = [unit.name for unit in units]
     assert not [name for name in names if name == "blocks.0" or name.startswith("blocks.0.")]
-    assert "blocks.1" in names and "blocks.1.norm" in names
+    assert "blocks.1" in names and any("blocks.1.norm" in unit.names for unit in units)
     apply_fully_shard(model, units, mesh, root_mp_policy=BF16, offload_policy=OffloadPolicy(), reshard_after_forward=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the bf16-mixed precision plugin runs it
         loss = model.training_step(batch(), 0)
@@ -124,9 +135,9 @@ def test_fully_shard_turns_units_and_root_into_fsdp_modules_with_dtensor_params(
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     units = shard(model, mesh)
     assert isinstance(model, FSDPModule)
-    assert all(isinstance(unit.module, FSDPModule) for unit in units)
+    assert all(isinstance(module, FSDPModule) for unit in units for module in unit.modules)
     assert isinstance(model.blocks[0], Block)  # still the user's class underneath
-    assert not isinstance(model.embed, FSDPModule)
+    assert isinstance(model.embed, FSDPModule) and isinstance(model.head, FSDPModule)
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), name
         assert param.device_mesh == mesh

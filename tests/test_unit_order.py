@@ -176,7 +176,7 @@ def test_the_error_for_experts_of_the_root_leaves_them_out_of_the_units(mesh) ->
         "  'experts.2' (Expert): once on rank 0, not on rank 1\n"
     )
     assert message.endswith(
-        "Fix: leave them out of the units, so that they belong to the root unit, which always runs:"
+        "Fix: leave them out of the units, so that they are gathered with the rest of the model outside the blocks, once per step on every rank:"
         " wrap_policy=['Block']." + AUTO
     )
 
@@ -193,3 +193,23 @@ def test_the_error_for_the_same_units_in_another_order_names_the_first_differenc
         " validation_step are wrong."
     )
     assert "wrap_policy=['Block', 'MoEBlock']" in message
+
+
+def test_a_group_of_modules_is_recorded_once_per_gather_whichever_of_its_modules_run(mesh) -> None:
+    # The group gathers when its first module runs and stays gathered until backward frees it: a module of
+    # the group that some batches skip (a second head) moves nothing, so it must not enter the record.
+    torch.manual_seed(0)
+    model = Routed()
+    for module in model.blocks:
+        fully_shard(module, mesh=mesh)
+    fully_shard(list(model.experts), mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    order = UnitOrder(model)
+    group = order.names.index("experts.0, experts.1, experts.2")
+    one_expert, all_experts = digest_after(order, model, [0]), digest_after(order, model, [0, 1, 2])
+    assert one_expert == all_experts and order._counts[group] == 1
+    order.reset()
+    for route in ([0, 1], [2]):  # each forward and backward gathers the group anew
+        model(torch.ones(2, 4), route).sum().backward()
+        order.after_backward()
+    assert order._counts[group] == 2
