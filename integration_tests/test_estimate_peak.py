@@ -20,7 +20,7 @@ from fsdp_strategy.testing.peak_runs import parse_config
 from integration_tests.conftest import torchrun
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
-BATCH, SEQ = 8, 32
+BATCH, SEQ = 16, 32
 ALL = [
     f"{strategy}/{precision}/{checkpointing}"
     for precision in ("32-true", "bf16-mixed")
@@ -47,9 +47,11 @@ def test_predicted_step_peak_is_within_ten_percent_of_the_live_tensor_peak(tmp_p
     measured = json.loads(out.read_text())
     errors = {}
     for config in configs:
-        # The median rank: now and then one rank holds one more block at its peak (a timing race between the
-        # ranks' collectives, not modelled by the estimator; issue 14 stays open for it), the others agree.
-        peaks = sorted(measured[config])
-        peak = peaks[len(peaks) // 2]
+        # The largest rank, the one that runs out of memory first. Now and then one rank's peak holds a block's
+        # reduce-scatter input once more than the estimate: gloo copies the input, and its worker thread lets go
+        # of the copy after the (synchronous) collective has returned, sometimes only after the next block's
+        # recomputation has begun. The estimate counts the copy during the collective only; at 16 samples a
+        # block is about 5% of this peak (at 2 it was 17%).
+        peak = max(measured[config])
         errors[config] = (_predicted(config, world_size) - peak) / peak
     assert all(abs(error) <= 0.10 for error in errors.values()), errors
