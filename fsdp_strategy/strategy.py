@@ -9,7 +9,6 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -351,15 +350,13 @@ class FSDP2Strategy(ParallelStrategy):
             timeout=self._timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
-        if backend == "nccl":
-            atexit.register(self._destroy_process_group_at_exit)
+        # Left to interpreter shutdown, a group can abort the process after training succeeded: gloo's worker
+        # threads may still hold a finished collective's tensors, whose release then needs a GIL that is gone
+        # (SIGABRT, "terminate called without an active exception"; seen on CPU runs here). NCCL warns instead.
+        atexit.unregister(_destroy_process_group_at_exit)  # once per process, however many strategies joined
+        atexit.register(_destroy_process_group_at_exit)  # a plain function: it must not keep this strategy alive
         rank_zero_info(f"{type(self).__name__}: {self.world_size} processes joined ({backend}).")
         return membership
-
-    def _destroy_process_group_at_exit(self) -> None:
-        # torch warns about NCCL groups left at exit; with a peer gone, destroying one could block instead.
-        if not self._peer_lost:
-            _destroy_process_group()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -377,7 +374,7 @@ class FSDP2Strategy(ParallelStrategy):
         # the heartbeats tell which rank stopped.
         if self._membership is None or not rendezvous.is_communication_failure(exception):
             return
-        self._peer_lost = True
+        self._peer_lost = _EXIT.peer_lost = True
         diagnosis = f"{self._membership.diagnose()} {rendezvous.advice()}"
         message = f"[rank {self.global_rank}] {type(self).__name__}: a collective failed. {diagnosis}"
         if hasattr(exception, "add_note"):  # Python >= 3.11 prints notes under the traceback
@@ -986,6 +983,19 @@ def _is_sharded(model: nn.Module) -> bool:
 
 def _distributed_is_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@dataclass
+class _ExitState:
+    peer_lost: bool = False  # in any fit of this process: destroying the group could then block
+
+
+_EXIT = _ExitState()
+
+
+def _destroy_process_group_at_exit() -> None:
+    if not _EXIT.peer_lost:
+        _destroy_process_group()
 
 
 def _destroy_process_group() -> None:
