@@ -46,6 +46,7 @@ class Options:
     process_group_backend: str | None
     timeout: timedelta
     host_memory: str
+    reuse_comm_buffers: bool
 
 
 def check_options(
@@ -67,6 +68,7 @@ def check_options(
     process_group_backend: str | None,
     timeout: float | timedelta,
     host_memory: str = "keep",
+    reuse_comm_buffers: bool = True,
 ) -> Options:
     for option, value in (
         ("hybrid", hybrid),
@@ -74,6 +76,7 @@ def check_options(
         ("sync_grads_each_micro_batch", sync_grads_each_micro_batch),
         ("meta_init", meta_init),
         ("async_save", async_save),
+        ("reuse_comm_buffers", reuse_comm_buffers),
     ):
         _check_bool(option, value)
     if not isinstance(compile_blocks, (bool, str)):
@@ -137,6 +140,7 @@ def check_options(
         process_group_backend=process_group_backend,
         timeout=_as_timedelta(timeout),
         host_memory=host_memory,
+        reuse_comm_buffers=reuse_comm_buffers,
     )
 
 

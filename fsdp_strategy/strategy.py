@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import averaging, background, host_memory, rendezvous, saving, storage, unit_order, unused, verify
+from fsdp_strategy import averaging, background, comm_buffers, host_memory, rendezvous, saving, storage, unit_order, unused, verify
 from fsdp_strategy._compat import reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
@@ -127,6 +127,9 @@ class FSDP2Strategy(ParallelStrategy):
             after sharding and after each forward, backward and optimizer step: a lower peak of host
             memory on CPU for a few percent more CPU time; ``"keep"`` leaves the allocator alone. A
             no-op where the C library is not glibc.
+        reuse_comm_buffers: on CPU, each block's all-gather and reduce-scatter take their flat buffers from a
+            pool instead of a fresh allocation each time (the same collectives and results; on the 116M
+            benchmark GPT about 15% less CPU time per step). ``False`` allocates each buffer anew, as FSDP2 does.
     """
 
     strategy_name = "fsdp2"
@@ -152,6 +155,7 @@ class FSDP2Strategy(ParallelStrategy):
         timeout: float | timedelta = 1800,
         nonfinite_grads: str = "ignore",
         host_memory: str = "keep",
+        reuse_comm_buffers: bool = True,
     ) -> None:
         super().__init__()
         options = check_options(
@@ -172,8 +176,10 @@ class FSDP2Strategy(ParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             host_memory=host_memory,
+            reuse_comm_buffers=reuse_comm_buffers,
         )
         self._host_memory = options.host_memory
+        self._reuse_comm_buffers = options.reuse_comm_buffers
         self._wrap_policy = options.wrap_policy
         self._ac_policy = options.activation_checkpointing_policy
         self._init_weights = options.init_weights
@@ -205,6 +211,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._unit_order: unit_order.UnitOrder | None = None
         self._averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self._buffer_sync: BufferSync | None = None
+        self._comm_buffers: comm_buffers.BufferPool | None = None
         self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
         self._peer_lost = False
@@ -214,7 +221,7 @@ class FSDP2Strategy(ParallelStrategy):
     # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
     _PROCESS_LOCAL = (
         "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher",
-        "_averages",
+        "_averages", "_comm_buffers",
     )
 
     @override
@@ -535,6 +542,11 @@ class FSDP2Strategy(ParallelStrategy):
             offload_policy=self._offload_policy,
             reshard_after_forward=self._reshard_after_forward,
         )
+        if self._reuse_comm_buffers:
+            # Blocks only: they gather every micro-batch; a pooled buffer of the groups kept from forward to
+            # backward (the embedding's with them) would stay allocated through the peak for nothing.
+            blocks = [unit.module for unit in units if unit.reshard_after_forward is None and len(unit.modules) == 1]
+            self._comm_buffers = comm_buffers.reuse_buffers(blocks, shards=self.device_mesh.size(-1))
         self._before_sharding.added()
         self._load_hooks = load_full_tensors_into_shards(model)
         was_meta = has_meta_tensors(model)

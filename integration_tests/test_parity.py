@@ -50,6 +50,18 @@ def test_manual_optimization_bf16_and_grad_op(run_worker) -> None:
     assert 0 < sharded_distance <= 2 * ddp_distance, (sharded_distance, ddp_distance)
 
 
+def test_reused_collective_buffers_change_nothing(run_worker) -> None:
+    # Accumulation keeps reduce-scatter inputs alive across micro-batches, checkpointing gathers blocks again in
+    # backward, clipping reads the gradients (the reduce-scatter outputs, which are never pooled).
+    variants = "adamw,sgd_accumulate,adamw_clip_value_ac"
+    results = run_worker(["--strategies", "fsdp2,fsdp2_fresh_buffers", "--variants", variants], nproc=2)
+    for variant in variants.split(","):
+        reused, fresh = results[f"fsdp2/{variant}"], results[f"fsdp2_fresh_buffers/{variant}"]
+        assert reused["comm_buffer_bytes"] > 0 and fresh["comm_buffer_bytes"] is None, variant
+        assert reused["losses"] == fresh["losses"], variant
+        assert max_relative_difference(reused["params"], fresh["params"]) == 0, variant
+
+
 def test_compiled_blocks_parity(run_worker) -> None:
     results = run_worker(["--strategies", "fsdp2_compiled,ddp", "--variants", "sgd"], nproc=2)
     assert max_relative_difference(results["fsdp2_compiled/sgd"]["params"], results["ddp/sgd"]["params"]) <= 1e-5

@@ -83,6 +83,8 @@ def make_strategy(name: str, variant: dict, checkpoint_dir: Path | None = None) 
         return fsdp_strategy.FSDP2Strategy(async_save=True, state_dict_type="sharded")
     if name == "fsdp2" and checkpoint_dir is not None:  # the checkpoint tests read a sharded directory
         return fsdp_strategy.FSDP2Strategy(state_dict_type="sharded")
+    if name == "fsdp2_fresh_buffers":  # FSDP2's own allocation of its collectives' buffers
+        return fsdp_strategy.FSDP2Strategy(reuse_comm_buffers=False, activation_checkpointing_policy=_ac(variant))
     if name == "fsdp2_compiled":
         return fsdp_strategy.FSDP2Strategy(compile_blocks="aot_eager")
     if name == "fsdp2_replicate2":
@@ -151,6 +153,8 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
         "state_bytes": per_rank,
         "world_size": trainer.world_size,
         "is_global_zero": trainer.is_global_zero,
+        # bytes of the collectives' buffers that the strategy reused (None: FSDP2's own allocation)
+        "comm_buffer_bytes": getattr(getattr(trainer.strategy, "_comm_buffers", None), "nbytes", None),
     }
 
 
