@@ -47,6 +47,10 @@ class BufferPool:
         self._buffers: dict[tuple[int, torch.dtype, torch.device], list[_Buffer]] = {}
 
     def take(self, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        if torch.device(device).type != "cpu":
+            # CUDA's caching allocator reuses memory already, and knows which stream uses it: a pooled buffer
+            # would bypass that (a unit offloaded to the host still gathers on the GPU).
+            return torch.empty(*size, dtype=dtype, device=device)
         numel = math.prod(size)
         buffers = self._buffers.setdefault((numel, dtype, torch.device(device)), [])
         buffer = next((b for b in buffers if b.lent is None or b.lent() is None), None)
@@ -100,12 +104,12 @@ class _PooledReduceScatter:
 
 
 def reuse_buffers(units: Iterable[nn.Module], *, shards: int) -> BufferPool | None:
-    """Lets the CPU ``units`` (``fully_shard``-ed modules, each one unit) reuse their collectives' buffers.
+    """Lets ``units`` (``fully_shard``-ed modules, each one unit) reuse their collectives' buffers on CPU.
 
     ``shards`` is the size of the mesh dimension they shard over: with one shard there is no collective (and the
     reduce-scatter's input and output would have the same size). Returns the pool, or ``None`` when nothing applies.
     """
-    units = [u for u in units if isinstance(u, FSDPModule) and _on_cpu(u)]
+    units = [u for u in units if isinstance(u, FSDPModule)]
     if shards < 2 or not units:
         return None
     pool = BufferPool()
@@ -114,8 +118,3 @@ def reuse_buffers(units: Iterable[nn.Module], *, shards: int) -> BufferPool | No
         unit.set_custom_all_gather(_PooledAllGather(shared))  # type: ignore[arg-type]
         unit.set_custom_reduce_scatter(_PooledReduceScatter(shared))  # type: ignore[arg-type]
     return pool
-
-
-def _on_cpu(module: nn.Module) -> bool:
-    devices = {p.device.type for p in module.parameters()}
-    return devices == {"cpu"}

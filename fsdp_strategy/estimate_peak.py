@@ -5,9 +5,11 @@ The plan's units say what FSDP2 adds at each moment: a unit's gathered parameter
 reshards (``fsdp2``: right after its forward, again from its backward on, the next unit prefetched;
 ``fsdp2_grad_op``: until its backward ends; the root for the whole step), the gathering buffer while a unit is
 gathered, the unit's unsharded gradients until its reduce-scatter, that reduce-scatter's input (held until the
-next one) and the sharded gradients it leaves. DDP holds full parameters, gradients and a gradient bucket of
-their size. The optimizer step adds Adam's per-parameter temporaries. The largest total is the peak: the bytes
-of live tensors that :class:`~fsdp_strategy.ShardingMonitor` measures (``live peak``).
+next one) and the sharded gradients it leaves. The blocks' gathering buffers and reduce-scatter inputs stay
+allocated between uses, in a pool (:mod:`fsdp_strategy.comm_buffers`, on CPU; CUDA's caching allocator keeps them
+as reserved memory that its live count leaves out, so there the prediction is higher by those buffers). DDP
+holds full parameters, gradients and a gradient bucket of their size. The optimizer step adds Adam's per-parameter
+temporaries. The largest total is the peak: the bytes of live tensors that :class:`~fsdp_strategy.ShardingMonitor` measures (``live peak``).
 """
 
 from __future__ import annotations
@@ -91,9 +93,36 @@ def step_peak(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate, *,
     (``groups``: the plan the estimate counted). With ``accumulate`` micro-batches per optimizer step, every
     micro-batch is one traced step; the first frees the previous step's gradients, the last reduces them."""
     roles = ["only"] if accumulate == 1 else ["first", *(["middle"] if accumulate > 2 else []), "last"]
-    replay = _replay_ddp if estimate.strategy == "ddp" else _replay_fsdp
-    peaks = [replay(trace, groups, estimate, role) for role in roles]
+    if estimate.strategy == "ddp":
+        peaks = [_replay_ddp(trace, groups, estimate, role) for role in roles]
+    else:
+        # The blocks' collective buffers come from a pool (fsdp_strategy.comm_buffers, on CPU) that keeps, from
+        # the first step on, as many of each size as were ever in use at once: a first replay counts them.
+        pool = _Pool()
+        for role in roles:
+            _replay_fsdp(trace, groups, estimate, role, pool)
+        pool.filled = True
+        peaks = [_replay_fsdp(trace, groups, estimate, role, pool) for role in roles]
     return max(peaks, key=lambda p: p.bytes)
+
+
+class _Pool:
+    """The pooled buffers in use, by size in bytes (an all-gather output and a reduce-scatter input of the same
+    size and dtype share buffers), and the most of each size ever in use at once."""
+
+    def __init__(self) -> None:
+        self.most: dict[int, int] = {}
+        self.filled = False  # then the buffers not in use count too: the pool keeps them
+
+    def idle_bytes(self, in_use: list[int]) -> int:
+        counts: dict[int, int] = {}
+        for size in in_use:
+            counts[size] = counts.get(size, 0) + 1
+        for size, count in counts.items():
+            self.most[size] = max(self.most.get(size, 0), count)
+        if not self.filled:
+            return 0
+        return sum((most - counts.get(size, 0)) * size for size, most in self.most.items())
 
 
 class _Peak:
@@ -137,13 +166,17 @@ def _replay_ddp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate, 
     return peak.best
 
 
-def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate, role: str) -> StepPeak:
+def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate, role: str, pool: _Pool) -> StepPeak:
     shards = estimate.mesh[1]
     sizes = {g.name if not g.is_root else "": _sizes(g, shards) for g in groups}
     owner = {p.name: ("" if g.is_root else g.name) for g in groups for p in g.params}
     reshard_after_forward = estimate.strategy != "fsdp2_grad_op"
     # Groups sharded with reshard_after_forward=False stay gathered from their forward until their backward.
     kept = {g.name for g in groups if not g.is_root and g.reshard_after_forward is False}
+    # The blocks, whose all-gather outputs and reduce-scatter inputs are pooled (with one shard: no collectives).
+    pooled = {g.name for g in groups if shards > 1 and not g.is_root and g.reshard_after_forward is None
+              and "," not in g.name and estimate.strategy != "fsdp2_offload"}
+    reduce_input_unit = ""
     # A group's gradients are reduced once every member's backward is done (or when backward ends).
     members = {g.name: g.name.count(",") + 1 for g in groups if not g.is_root}
     backward_done: dict[str, int] = {}
@@ -163,8 +196,11 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate,
     order = [u for u in trace.units if u in sizes]
 
     def total(extra: int = 0) -> int:
+        in_use = [size for unit, size in buffers.items() if unit in pooled]
+        in_use += [reduce_input] if reduce_input and reduce_input_unit in pooled else []
+        idle = pool.idle_bytes(in_use)
         return (held + sharded_grads + activations + sum(gathered.values()) + sum(buffers.values())
-                + sum(unsharded.values()) + sum(accumulated.values()) + reduce_input + extra)
+                + sum(unsharded.values()) + sum(accumulated.values()) + reduce_input + idle + extra)
 
     def gather(unit: str) -> None:
         # The all-gather fills one flat buffer, copied out into the unit's parameters. In forward FSDP2 keeps
@@ -187,7 +223,7 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate,
             peak.see(total(), activations, phase)
 
     def post_backward(unit: str) -> None:
-        nonlocal reduce_input, sharded_grads
+        nonlocal reduce_input, reduce_input_unit, sharded_grads
         if unit in done or unit not in sizes:
             return
         done.add(unit)
@@ -199,10 +235,11 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[_Group], estimate: Estimate,
             accumulated[unit] = size.reduced if (unsharded[unit] or accumulated[unit]) else 0
             unsharded[unit] = 0
             return
-        reduce_input = 0  # the previous unit's reduce-scatter input is let go first
-        peak.see(total(size.reduced), activations, phase)  # copied in before the gradients are freed
+        # The previous unit's reduce-scatter input is let go first; this unit's is filled before its unsharded
+        # gradients are freed.
+        reduce_input, reduce_input_unit = size.reduced, unit
+        peak.see(total(), activations, phase)
         unsharded[unit] = accumulated[unit] = 0
-        reduce_input = size.reduced
         sharded_grads += 0 if offload else size.sharded_trainable
         # gloo reduce-scatters a full copy of the input (measured on torch 2.13, CPU)
         peak.see(total(size.reduced), activations, phase)

@@ -59,9 +59,8 @@ def test_one_shard_has_no_collectives_to_pool(mesh):
     assert reuse_buffers(list(model.blocks), shards=1) is None
 
 
-def test_units_off_the_cpu_keep_fsdp2s_allocation():
-    model = TinyLM()
-    with torch.device("meta"):
-        meta_model = TinyLM()
-    assert reuse_buffers([model.blocks[0]], shards=2) is None  # not a sharded unit
-    assert reuse_buffers(list(meta_model.blocks), shards=2) is None
+def test_only_sharded_units_and_host_buffers_are_pooled():
+    assert reuse_buffers([TinyLM().blocks[0]], shards=2) is None  # not a sharded unit
+    pool = BufferPool()
+    off_the_host = pool.take((8,), torch.float32, torch.device("meta"))  # as a GPU's buffer: left to its allocator
+    assert off_the_host.device.type == "meta" and pool.nbytes == 0
