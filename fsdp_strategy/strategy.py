@@ -335,12 +335,6 @@ class FSDP2Strategy(ParallelStrategy):
             self._membership = self._join_process_group(backend)
         elif self._membership is not None:  # a later fit/validate/test with the same strategy
             self._membership.start()
-        # Left to interpreter shutdown, a group can abort the process after training succeeded: gloo's worker
-        # threads may still hold a finished collective's tensors, whose release then needs a GIL that is gone
-        # (SIGABRT, "terminate called without an active exception"; seen on CPU runs here, also in a group that
-        # DDPStrategy had started). NCCL warns instead. A plain function: it must not keep this strategy alive.
-        atexit.unregister(_destroy_process_group_at_exit)  # once per process, however many strategies ran
-        atexit.register(_destroy_process_group_at_exit)
         self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -364,6 +358,10 @@ class FSDP2Strategy(ParallelStrategy):
             timeout=self._timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        if backend == "nccl":  # torch warns about NCCL groups left to exit
+            # A plain function, registered once: the handler must not keep this strategy (and its module) alive.
+            atexit.unregister(_destroy_process_group_at_exit)
+            atexit.register(_destroy_process_group_at_exit)
         rank_zero_info(f"{type(self).__name__}: {self.world_size} processes joined ({backend}).")
         return membership
 

@@ -106,7 +106,7 @@ def main() -> None:
         results[config] = peaks
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()  # the first configurations' DDPStrategy started it and leaves it to exit
+    dist.destroy_process_group()  # as torch asks of every process at the end of its work
 
 
 if __name__ == "__main__":
