@@ -4,7 +4,7 @@ Each block unit all-gathers into a flat buffer of its full size twice per micro-
 gradients from another once. On CUDA the caching allocator hands the same memory back each time. On CPU every
 buffer is a new ``malloc`` block: glibc serves blocks of this size from fresh mappings or from the top of the heap,
 hands them back to the system when they are freed, and the next buffer then faults its pages in and zeroes them
-again (on the 116M benchmark GPT about a sixth of the CPU time of a step, docs/benchmarks.md).
+again (on the 116M benchmark GPT 12-16% of the CPU time of a step, docs/benchmarks.md).
 
 :func:`reuse_buffers` gives each unit an all-gather and a reduce-scatter (FSDP2's public
 ``set_custom_all_gather``/``set_custom_reduce_scatter``) that run the same collectives as FSDP2's defaults but take
@@ -36,7 +36,7 @@ class _Buffer:
 
 
 class BufferPool:
-    """Flat buffers of one size and dtype, lent out again once the tensor lent before is gone.
+    """Flat buffers on the host, by size and dtype, each lent out again once the tensor lent before is gone.
 
     A lent tensor is a tensor of its own over the buffer's storage; FSDP2 and gloo keep it (or views of it,
     which hold it) for as long as they use the memory, so a buffer is in use exactly while that tensor lives,

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_strategy.deferred_init import deferred_init, materialize, records_by_name
+from fsdp_strategy.testing.distributed import run_worker_main
 
 CPU = torch.device("cpu")
 
@@ -138,4 +139,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker_main(main)

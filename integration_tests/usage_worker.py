@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_strategy
 from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.testing.distributed import run_worker_main
 
 STEPS = 4
 
@@ -291,4 +292,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker_main(main)

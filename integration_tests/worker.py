@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_strategy
 from fsdp_strategy.state_bytes import model_state_bytes
 from fsdp_strategy.testing.models import TinyGAN, TinyLM, token_loader
+from fsdp_strategy.testing.distributed import run_worker_main
 
 
 class Recorder(L.Callback):
@@ -180,4 +181,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker_main(main)

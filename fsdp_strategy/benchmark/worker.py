@@ -49,6 +49,7 @@ from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
 from fsdp_strategy.state_bytes import full_bytes, held_bytes, model_state_tensors
+from fsdp_strategy.testing.distributed import run_worker_main
 
 SEED = 0
 
@@ -304,4 +305,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker_main(main)
