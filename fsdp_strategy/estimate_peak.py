@@ -9,7 +9,8 @@ next one) and the sharded gradients it leaves. The blocks' gathering buffers and
 allocated between uses, in a pool (:mod:`fsdp_strategy.comm_buffers`, on CPU; CUDA's caching allocator keeps them
 as reserved memory that its live count leaves out, so there the prediction is higher by those buffers). DDP
 holds full parameters, gradients and a gradient bucket of their size. The optimizer step adds Adam's per-parameter
-temporaries. The largest total is the peak: the bytes of live tensors that :class:`~fsdp_strategy.ShardingMonitor` measures (``live peak``).
+temporaries. The largest total is the peak: the bytes of live tensors that :class:`~fsdp_strategy.ShardingMonitor`
+measures (``live peak``).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class _Pool:
         self.filled = False  # then the buffers not in use count too: the pool keeps them
 
     def idle_bytes(self, in_use: list[int]) -> int:
+        """Bytes the pool holds besides ``in_use`` (sizes of the buffers in use now), which it also records."""
         counts: dict[int, int] = {}
         for size in in_use:
             counts[size] = counts.get(size, 0) + 1
