@@ -90,6 +90,7 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         ),
         ({"hybrid": "yes"}, TypeError, "`hybrid` must be a bool; got 'yes' of type str."),
         ({"meta_init": 1}, TypeError, "`meta_init` must be a bool; got 1 of type int."),
+        ({"reuse_comm_buffers": "no"}, TypeError, "`reuse_comm_buffers` must be a bool; got 'no' of type str."),
         (
             {"compile_blocks": None},
             TypeError,
