@@ -11,6 +11,7 @@ from typing import Any
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ScriptLauncher",
     "averaged_model_of",
     "TorchDispatchMode",
+    "all_gather_single",
     "sync_ddp",
     "disabled_torch_function_impl",
     "forget_composable_state",
@@ -28,6 +30,8 @@ __all__ = [
     "make_wrapper_subclass",
     "op_arguments",
     "reduce_root_gradients_after",
+    "reduce_scatter_single",
+    "reset_iter_state",
     "sharded_units",
     "tensor_version",
     "tree_flatten",
@@ -195,7 +199,40 @@ def sharded_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
         if module is model or not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()  # type: ignore[operator]
-        groups = state._fsdp_param_groups
+        groups = _param_groups(state)
         reshards = any(group.post_forward_mesh_info is not None for group in groups)
         units.setdefault(id(state), ([], reshards))[0].append(module)
     return list(units.values())
+
+
+def _param_groups(state: Any) -> list[Any]:
+    # torch 2.12 made FSDPState._fsdp_param_group (one group or None) a list, _fsdp_param_groups.
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+# The collectives FSDP2 runs by default, for custom ones (fsdp_strategy.comm_buffers). torch 2.13 renamed
+# all_gather_into_tensor and reduce_scatter_tensor to *_single and deprecated the old names, which older
+# releases have alone.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reset_iter_state(model: nn.Module) -> None:
+    """Reshards the units of the root ``model`` and forgets the pass an exception interrupted.
+
+    ``FSDPModule.reset_iter_state`` (public, torch >= 2.13) does it; with an older torch each unit is resharded
+    through the public ``FSDPModule.reshard``, which is what moving the module afterwards needs. Errors are
+    left to the caller: after an exception this is best effort.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(model, "reset_iter_state"):
+        model.reset_iter_state()  # type: ignore[operator]
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

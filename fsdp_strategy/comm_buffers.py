@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_strategy._compat import all_gather_single, reduce_scatter_single
+
 __all__ = ["BufferPool", "reuse_buffers"]
 
 
@@ -84,7 +86,7 @@ class _PooledAllGather:
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _PooledReduceScatter:
@@ -99,7 +101,7 @@ class _PooledReduceScatter:
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: object,
                  async_op: bool = False) -> dist.Work | None:
-        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+        return reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
                                           async_op=async_op)
 
 

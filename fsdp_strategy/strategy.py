@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import averaging, background, comm_buffers, host_memory, rendezvous, saving, storage, unit_order, unused, verify
-from fsdp_strategy._compat import reduce_root_gradients_after, sync_ddp, weights_only_of_trainer_call
+from fsdp_strategy._compat import reduce_root_gradients_after, reset_iter_state, sync_ddp, weights_only_of_trainer_call
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.guard import NonFiniteGuard
@@ -487,7 +487,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._unit_order = unit_order.UnitOrder.attach(self.model, group=self._gloo_group())
         if fitting:
             self.setup_optimizers(trainer)
-            if unused.supported() and (self._unused is None or self._unused.model is not self.model):
+            if self._unused is None or self._unused.model is not self.model:
                 self._unused = unused.UnusedParameters(self.model, group=self._gloo_group())
         self._buffer_sync = BufferSync(self.model) if fitting else None
         self.setup_precision_plugin()
@@ -683,8 +683,6 @@ class FSDP2Strategy(ParallelStrategy):
         if self._sync_grads_each_micro_batch or not self._in_no_sync:  # this backward reduced gradients
             if self._unused is not None:  # the units' digest travels in its record
                 self._unused.after_backward(order=self._unit_order)
-            elif self._unit_order is not None:  # torch < 2.13
-                self._unit_order.check(during="training")
 
     @property
     def skipped_steps(self) -> int:
@@ -981,11 +979,9 @@ SYNC_BUCKET_BYTES = 4 * 1024 * 1024  # larger tensors go alone, without a copy
 def _reshard_after_an_error(model: FSDPModule) -> None:
     """An exception inside a step leaves units gathered, and moving the module (teardown does) expects their
     shards: failing there would hide the user's own error behind FSDP's ("no attribute '_local_tensor'")."""
-    if not hasattr(model, "reset_iter_state"):  # torch < 2.13
-        return
     try:
-        model.reset_iter_state()
-    except AttributeError:  # the error came before the first forward: nothing was gathered
+        reset_iter_state(model)
+    except (AttributeError, RuntimeError):  # the error came before the first forward: nothing was gathered
         pass
 
 

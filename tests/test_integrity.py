@@ -403,11 +403,16 @@ def test_a_type_torch_cannot_rebuild_even_when_registered_is_refused_with_the_tr
         refused_types(saved, "'meta.pt' holds", "lightning.fabric.utilities.data.AttributeDict", "AttributeDict")
     ):
         load_trainer_state(saved)
-    # torch's weights-only unpickler fills only plain dicts, OrderedDicts and Counters, whatever is registered.
+    # The weights-only unpickler of torch 2.13 and 2.14 fills only plain dicts, OrderedDicts and Counters, whatever is
+    # registered; torch 2.9 rebuilds a registered dict subclass.
     start = f"Checkpoint '{saved}' is refused: 'meta.pt' holds objects that torch.load(weights_only=True) cannot rebuild ("
     with torch.serialization.safe_globals([AttributeDict]):
-        with pytest.raises(CheckpointError, match=f"^{re.escape(start)}.*AttributeDict.*\\). {re.escape(TRUST)}$"):
-            load_trainer_state(saved)
+        try:
+            rebuilt = load_trainer_state(saved)["hyper_parameters"]
+        except CheckpointError as refusal:
+            assert re.match(f"^{re.escape(start)}.*AttributeDict.*\\). {re.escape(TRUST)}$", str(refusal)), str(refusal)
+        else:
+            assert rebuilt == {"extra": AttributeDict(depth=2)} and isinstance(rebuilt["extra"], AttributeDict)
     assert load_trainer_state(saved, weights_only=False)["hyper_parameters"] == {"extra": AttributeDict(depth=2)}
 
 

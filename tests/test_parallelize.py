@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -14,7 +15,9 @@ from fsdp_strategy.parallelize import (
     apply_fully_shard,
     plan_units,
 )
+from fsdp_strategy import unused
 from fsdp_strategy.policy import normalize_policy
+from fsdp_strategy.unused import UnusedParameters
 from fsdp_strategy.precision import FULL_PRECISION_POLICY, mixed_precision_policy
 from fsdp_strategy.testing.models import Block, TinyGAN, TinyLM, token_loader
 from fsdp_strategy.testing import full
@@ -182,8 +185,15 @@ def test_step_methods_defined_by_the_user_are_routed_through_fsdp(mesh):
     shard(model, mesh, policy=["Linear"])
     assert "training_step" in vars(model)  # registered as an FSDP forward method
     assert "validation_step" not in vars(model)  # LightningModule's default is left alone
+    tracker = UnusedParameters(model)
+    tracker.before_backward()
     loss = model.training_step(torch.ones(2, 4), 0)  # gain is a sharded DTensor outside forward() otherwise
     loss.backward()
+    if not unused.supported():  # torch < 2.13 reduced the root when forward's input got its gradient, before gain's
+        with pytest.raises(RuntimeError, match=r"^The gradients of 'gain' arrived after their unit's gradients were reduced"):
+            tracker.after_backward()
+        return
+    tracker.after_backward()
     assert isinstance(model.gain.grad, DTensor)
     assert torch.equal(full(model.gain.grad), full(model.proj.weight).sum(0) * 2)
 
