@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,7 +35,6 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
-    "weights_only_of_trainer_call",
 ]
 
 # A tensor subclass that handles every op in __torch_dispatch__ sets this as its __torch_function__, as
@@ -118,31 +115,6 @@ def forget_composable_state(module: nn.Module) -> None:
 # with the layout's name, so a restricted unpickler must hand out that function by this name, as torch's own
 # weights-only unpickler does (checked with torch 2.13).
 get_layout = torch.serialization._get_layout
-
-
-def weights_only_of_trainer_call() -> bool | None:
-    """The ``weights_only`` passed to the running Trainer call (``None``: not given, or no call running).
-
-    ``Trainer.fit``/``validate``/``test``/``predict`` take ``weights_only`` since Lightning 2.6.0, and
-    Lightning (checked up to 2.6.6) hands it to ``Strategy.load_checkpoint`` only for strategies that
-    restore before setup: ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it
-    when ``restore_checkpoint_after_setup`` is true, as for FSDP2Strategy, whose model must be sharded
-    before it is loaded. No public API holds the value, so it is read from the ``Trainer._run`` frame on
-    this thread's stack. Should that method be renamed, this returns ``None``: torch's safe default.
-    """
-    from lightning.pytorch.trainer.trainer import Trainer
-
-    run = getattr(Trainer._run, "__code__", None)
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code is run:
-                value = frame.f_locals.get("weights_only")
-                return value if isinstance(value, bool) else None
-            frame = frame.f_back
-        return None
-    finally:
-        del frame  # frames hold their locals alive
 
 
 # Lightning's launcher that starts the other local ranks by re-running the script (what "ddp" uses; torch >= 1.x,

@@ -20,16 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from fsdp_strategy import optimizer_state as optimizer_state_io
 from fsdp_strategy import storage
 from fsdp_strategy._compat import FsspecWriter
 from fsdp_strategy.checkpoint_error import CheckpointError, damaged, refused
@@ -43,12 +38,15 @@ __all__ = [
     "is_sharded_checkpoint",
     "gather_dtensors",
     "holds_dtensor",
-    "load_full",
-    "read_full_checkpoint",
+    "check_full_state_dict",
+    "load_full_optimizers",
     "load_full_weights",
+    "load_sharded_model",
+    "load_sharded_optimizers",
+    "read_full_checkpoint",
     "read_full_weights",
+    "read_sharded",
     "require_state_dict",
-    "load_sharded",
     "model_state",
     "optimizer_state",
     "os_error_in",
@@ -82,12 +80,12 @@ def model_state(model: nn.Module, *, full: bool) -> dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
-def optimizer_state(model: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
-    """The optimizer state keyed by parameter names; full form keyed by parameter index, as Lightning's."""
-    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
-    if full and state:
-        state = _names_to_indices(state, _parameter_names(model, optimizer))
-    return state
+def optimizer_state(model: nn.Module, optimizer: Optimizer, *, full: bool, keep: bool = True) -> dict[str, Any]:
+    """Sharded: keyed by parameter names, this rank's shards. Full: keyed by parameter index, as Lightning's, whole
+    tensors on CPU where ``keep`` (rank 0), empty elsewhere. The optimizer is only read (see :mod:`.optimizer_state`)."""
+    if full:
+        return optimizer_state_io.full_state(optimizer, keep=keep)
+    return optimizer_state_io.sharded_state(model, optimizer)
 
 
 def staging_path(path: Path | str, token: str) -> Path | str:
@@ -291,44 +289,86 @@ def remove_path(path: Path | str) -> None:
         path.unlink()
 
 
-def load_sharded(
-    path: Path | str | storage.CheckpointFiles,
-    model: nn.Module,
-    optimizers: Sequence[Optimizer],
-    *,
-    strict: bool,
-    weights_only: bool = True,
-    model_shaped: Sequence[str] = (),
+def read_sharded(
+    path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool, weights_only: bool = True, whole: bool = True
 ) -> dict[str, Any]:
-    """Loads shards into the (already sharded) model and optimizers, resharding as needed; returns the trainer state.
-
-    ``model_shaped`` names further entries that hold state shaped like the model's (WeightAveraging's
-    ``"current_model_state"``): those the checkpoint has are loaded into new shards laid out as the model's
-    and returned under their names, together with the model's loaded state as ``"state_dict"``, for the
-    callbacks' ``on_load_checkpoint`` (as a single-file checkpoint gives them).
+    """The trainer state of a sharded checkpoint, and with ``whole`` its model-shaped entries too, as a single-file
+    checkpoint holds them: the module's under ``"state_dict"``, loaded in place into ``model``'s own tensors (its
+    shards, once sharded), and any other entry saved in shards (WeightAveraging's ``"current_model_state"``) under
+    its name, in new tensors laid out as the module's. Optimizer states stay in the files
+    (:func:`load_sharded_optimizers`).
 
     Call :func:`fsdp_strategy.verify.verify_sharded_checkpoint` first (with the same ``weights_only``):
     DCP itself unpickles its metadata and non-tensor entries without restrictions. ``path`` may be a URL
     (its manifest is followed) or the :class:`~fsdp_strategy.storage.CheckpointFiles` of one.
     """
     files = storage.checkpoint_files(path)
-    model_state_dict = get_model_state_dict(model)
     metadata = read_dcp_metadata(files)
-    check_model_matches(files, model_state_dict, strict=strict, metadata=metadata)
     trainer_state = load_trainer_state(files, weights_only=weights_only)
-    tensors: dict[str, Any] = {MODEL_KEY: model_state_dict}
-    tensors.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
-    extra = [key for key in model_shaped if any(k.startswith(f"{key}.") for k in metadata.state_dict_metadata)]
-    for key in extra:
-        saved = {k for k in metadata.state_dict_metadata if k.startswith(f"{key}.")}
-        tensors[key] = {name: torch.empty_like(v) for name, v in model_state_dict.items() if f"{key}.{name}" in saved}
+    read = lambda flat: dcp.load(flat, storage_reader=files.reader())  # noqa: E731
+    param_groups = optimizer_state_io.read_param_groups(metadata, read)
+    if param_groups:  # the tensors follow once the sharded optimizers exist (load_sharded_optimizers)
+        trainer_state["optimizer_states"] = [{"state": {}, "param_groups": groups} for groups in param_groups]
+    if not whole:
+        return trainer_state
+    own = _state_dict(model)
+    check_model_matches(files, own, strict=strict, metadata=metadata)
+    saved = set(metadata.state_dict_metadata)
+    tensors: dict[str, Any] = {MODEL_KEY: {k: v for k, v in own.items() if f"{MODEL_KEY}.{k}" in saved}}
+    for key in _model_shaped_entries(metadata):
+        tensors[key] = {k: torch.empty_like(v) for k, v in own.items() if f"{key}.{k}" in saved}
+    dcp.load(tensors, storage_reader=files.reader())
+    loaded = {"state_dict": tensors.pop(MODEL_KEY)}
+    return {**trainer_state, **loaded, **tensors}
+
+
+def _state_dict(model: nn.Module) -> dict[str, Any]:
+    # A sharded module's entries are its DTensor shards; DCP loads into either in place.
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return get_model_state_dict(model)
+    return model.state_dict()
+
+
+def _model_shaped_entries(metadata: Any) -> list[str]:
+    """Top-level entries of a sharded checkpoint besides the module's and the optimizers' (saved in shards because
+    they held DTensors: a callback's copy of the module's state)."""
+    keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return sorted(key for key in keys if key != MODEL_KEY and not key.startswith("optimizer_"))
+
+
+def load_sharded_model(path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool) -> None:
+    """Loads the module's shards of a sharded checkpoint into the sharded ``model`` (each rank reads its own)."""
+    files = storage.checkpoint_files(path)
+    state = get_model_state_dict(model)
+    check_model_matches(files, state, strict=strict)
+    saved = set(read_dcp_metadata(files).state_dict_metadata)
+    tensors = {MODEL_KEY: {k: v for k, v in state.items() if f"{MODEL_KEY}.{k}" in saved}}
     dcp.load(tensors, storage_reader=files.reader())
     set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict))
-    for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(model, opt, tensors[f"optimizer_{i}"])
-    if model_shaped:
-        trainer_state = {**trainer_state, "state_dict": tensors[MODEL_KEY], **{key: tensors[key] for key in extra}}
-    return trainer_state
+
+
+def load_sharded_optimizers(
+    path: Path | str | storage.CheckpointFiles,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    saved: Sequence[dict[str, Any]],
+) -> None:
+    """Loads each optimizer's state entries (``optimizer_<i>.state`` in the checkpoint, this rank's shards) into the
+    optimizers of the sharded ``model``, with the ``param_groups`` of ``saved`` (the ``"optimizer_states"`` that
+    :func:`read_sharded` returned, as ``on_load_checkpoint`` left them), as ``optimizer.load_state_dict`` does for
+    DDP: the optimizers are not stepped."""
+    files = storage.checkpoint_files(path)
+    metadata = read_dcp_metadata(files)
+    pairs = list(zip(optimizers, saved))
+    flat: dict[str, Any] = {}
+    for i, (opt, _) in enumerate(pairs):
+        flat.update(optimizer_state_io.load_sharded_template(metadata, f"optimizer_{i}.", model, opt))
+    if flat:
+        dcp.load(flat, storage_reader=files.reader())
+    for i, (opt, state) in enumerate(pairs):
+        prefix = f"optimizer_{i}."
+        entries = {k: v for k, v in flat.items() if k.startswith(prefix)}
+        opt.load_state_dict(optimizer_state_io.unflatten(entries, state["param_groups"], prefix, model, opt))
 
 
 def read_full_checkpoint(path: Path | str, *, weights_only: bool | None) -> dict[str, Any]:
@@ -379,25 +419,18 @@ def _load_file(path: Path | str, *, weights_only: bool | None) -> Any:
         raise damaged(path, name, detail) from exc
 
 
-def load_full(
-    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, path: Path | str
-) -> None:
-    """Loads a single-file Lightning checkpoint (from DDP, one device, or ``state_dict_type="full"``)."""
+def check_full_state_dict(model: nn.Module, state_dict: dict[str, Any], *, strict: bool, path: Path | str) -> None:
+    """Raises :class:`~fsdp_strategy.checkpoint_error.CheckpointError` naming the file when the weights of a
+    single-file checkpoint do not fit ``model`` (plain or sharded; global shapes)."""
     compare_keys(
-        state_dict_shapes(get_model_state_dict(model)),
-        state_dict_shapes(checkpoint["state_dict"]),
-        checkpoint=path,
-        strict=strict,
-        file=_file_name(path),
+        state_dict_shapes(_state_dict(model)), state_dict_shapes(state_dict), checkpoint=path, strict=strict, file=_file_name(path)
     )
-    options = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(model, checkpoint["state_dict"], options=options)
-    for opt, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        by_name = _indices_to_names(state, _parameter_names(model, opt))
-        # An optimizer without per-parameter tensors (SGD without momentum) has nothing to shard, and torch's
-        # full-state path cannot tell its device from it ("Expected device to be set"): load it as it is.
-        has_tensors = any(torch.is_tensor(v) and v.dim() > 0 for s in by_name["state"].values() for v in s.values())
-        set_optimizer_state_dict(model, opt, by_name, options=options if has_tensors else StateDictOptions(strict=strict))
+
+
+def load_full_optimizers(optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
+    """Loads the full optimizer states of a single-file checkpoint (Lightning's layout) into sharded optimizers."""
+    for opt, state in zip(optimizers, states):
+        optimizer_state_io.load_full_state(opt, state)
 
 
 def read_full_weights(path: Path | str) -> dict[str, Any]:
@@ -420,27 +453,3 @@ def load_full_weights(model: nn.Module, weights: dict[str, Any], *, strict: bool
     """Fills a sharded model from full weights held by rank 0 only (``{}`` elsewhere): each rank receives its shards."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(model, weights, options=options)
-
-
-def _parameter_names(model: nn.Module, optimizer: Optimizer) -> list[str]:
-    """Names of the optimizer's parameters in the order Lightning numbers them (group by group)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def _names_to_indices(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    index = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def _indices_to_names(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    def name(key: int | str) -> str:
-        return names[key] if isinstance(key, int) else key
-
-    return {
-        "state": {name(key): value for key, value in state["state"].items()},
-        "param_groups": [{**g, "params": [name(p) for p in g["params"]]} for g in state["param_groups"]],
-    }

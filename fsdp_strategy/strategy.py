@@ -9,6 +9,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +30,7 @@ from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import averaging, background, comm_buffers, host_memory, rendezvous, saving, storage, unit_order, unused, verify
-from fsdp_strategy._compat import reduce_root_gradients_after, reset_iter_state, sync_ddp, weights_only_of_trainer_call
+from fsdp_strategy._compat import reduce_root_gradients_after, reset_iter_state, sync_ddp
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
 from fsdp_strategy.guard import NonFiniteGuard
@@ -65,6 +66,16 @@ __all__ = ["FSDP2Strategy", "ShardingPlan"]
 _log = logging.getLogger(__name__)
 
 _OUR_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
+
+
+@dataclass
+class _Restore:
+    """What a stage restores from the checkpoint ``path`` once the module is sharded."""
+
+    path: Path | str
+    files: storage.CheckpointFiles | None = None  # a sharded checkpoint's; its optimizer states are read after setup
+    model_state: dict[str, Any] | None = None  # a single file's weights for a module that had no values before sharding
+    strict: bool | None = None  # set when the module state is still to be loaded
 
 
 @dataclass(frozen=True)
@@ -216,13 +227,14 @@ class FSDP2Strategy(ParallelStrategy):
         self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
         self._peer_lost = False
+        self._restore: _Restore | None = None
         self.num_nodes = 1
 
     # Runtime handles of this process (store connections, process groups, threads, the launcher's child
     # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
     _PROCESS_LOCAL = (
         "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher",
-        "_averages", "_comm_buffers",
+        "_averages", "_comm_buffers", "_restore",
     )
 
     @override
@@ -282,16 +294,6 @@ class FSDP2Strategy(ParallelStrategy):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
     def mesh_shape(self) -> tuple[int, int]:
         """``(replicate_size, shard_size)`` for the current world; raises ``ValueError`` when they do not fit."""
         return resolve_mesh_shape(
@@ -331,6 +333,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         self._peer_lost = False
+        self._restore = None
         if not _distributed_is_initialized():
             self._membership = self._join_process_group(backend)
         elif self._membership is not None:  # a later fit/validate/test with the same strategy
@@ -466,6 +469,7 @@ class FSDP2Strategy(ParallelStrategy):
             # 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a sharded run.
             sync_module_states(self.model, host_group=self._gloo_group(), bucket_bytes=SYNC_BUCKET_BYTES)
             self.parallelize(self.model)
+            self._restore_after_sharding()
             if self._host_memory == "release":  # the eager full copy was freed when its shards were made
                 host_memory.release()
         else:  # a module an earlier stage left sharded (too big to gather), which its teardown moved to CPU
@@ -552,7 +556,7 @@ class FSDP2Strategy(ParallelStrategy):
         was_meta = has_meta_tensors(model)
         materialize(model, self._param_device(), deferred)
         self._move_to_device(model)
-        if self._init_weights is not None:
+        if self._init_weights is not None and self._restore is None:  # a checkpoint to resume from wins
             self._load_init_weights(model)
         self._log_plan(model, units, was_meta)
 
@@ -782,15 +786,7 @@ class FSDP2Strategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         assert self.model is not None
-        return ckpt.optimizer_state(self.model, optimizer, full=self.checkpoint_format == "full")
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # load_checkpoint() already restored the sharded model
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # load_checkpoint() already restored the sharded optimizers
+        return ckpt.optimizer_state(self.model, optimizer, full=self.checkpoint_format == "full", keep=self.is_global_zero)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
@@ -854,15 +850,16 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Reads a checkpoint before the module is sharded, as DDP does, so that Lightning calls
+        ``on_load_checkpoint`` and ``load_state_dict`` in DDP's order: a single file whole on every rank; a sharded
+        checkpoint's trainer state, and its module state in full (in place, into the module's own tensors). A module
+        built without its values (``meta_init``, ``init_module(empty_init=True)``) gets them after sharding instead:
+        each rank reads its shards. Optimizer states are loaded into the sharded optimizers after ``setup``."""
         self.wait_for_checkpoint()
         path = storage.location(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None and self.lightning_module is not None
-        # As Lightning restores optimizer states only to resume fitting; validate/test/predict load weights only.
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = self._sharded_optimizers() if fitting else []
-        strict = self.lightning_module.strict_loading
-        if weights_only is None:  # Lightning drops the user's choice for strategies that restore after setup
-            weights_only = weights_only_of_trainer_call()
+        module = self.lightning_module
+        assert module is not None
+        self._restore = _Restore(path)
         if verify.looks_like_sharded_checkpoint(path):
             # None: the user did not choose; torch.load's default since 2.6 is True.
             trusted = weights_only is False
@@ -875,19 +872,62 @@ class FSDP2Strategy(ParallelStrategy):
 
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
             source = self.broadcast(self._on_rank_zero(check, CheckpointError))
-            files = storage.files_at(source, name=path)
-            entries = self._averages.checkpoint_entries if fitting and self._averages is not None else ()
-            return ckpt.load_sharded(
-                files, self.model, optimizers, strict=strict, weights_only=not trusted, model_shaped=entries
+            self._restore.files = storage.files_at(source, name=path)
+            whole = not has_meta_tensors(module)
+            return ckpt.read_sharded(
+                self._restore.files, module, strict=module.strict_loading, weights_only=not trusted, whole=whole
             )
         if saving.is_default_checkpoint_io(self.checkpoint_io):
-            checkpoint = ckpt.read_full_checkpoint(path, weights_only=weights_only)
+            return ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        source = checkpoint_path if storage.location(checkpoint_path) == path else path
+        return ckpt.require_state_dict(self.checkpoint_io.load_checkpoint(source, weights_only=weights_only), path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        # As DDP, after `on_load_checkpoint`: the module's own `load_state_dict`, before sharding. A module without
+        # values yet gets them in setup(), once it is sharded and materialized.
+        module = self.lightning_module
+        assert module is not None
+        if self._restore is not None and has_meta_tensors(module):
+            self._restore.model_state, self._restore.strict = checkpoint.get("state_dict"), strict
+            return
+        if "state_dict" not in checkpoint:
+            raise KeyError(
+                f"The checkpoint '{self._restore.path if self._restore else ''}' holds no 'state_dict' entry: an"
+                " `on_load_checkpoint` hook removed it."
+            )
+        self._load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        # As DDP's `optimizer.load_state_dict`: the optimizers are not stepped to create their state first.
+        assert self.model is not None
+        optimizers = self._sharded_optimizers()
+        if self._restore is not None and self._restore.files is not None:
+            ckpt.load_sharded_optimizers(self._restore.files, self.model, optimizers, checkpoint["optimizer_states"])
         else:
-            source = checkpoint_path if storage.location(checkpoint_path) == path else path
-            checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
-            ckpt.require_state_dict(checkpoint, path)
-        ckpt.load_full(checkpoint, self.model, optimizers, strict=strict, path=path)
-        return checkpoint
+            ckpt.load_full_optimizers(optimizers, checkpoint.get("optimizer_states", []))
+
+    def _load_state_dict(self, state_dict: dict[str, Any], *, strict: bool) -> None:
+        module = self.lightning_module
+        assert module is not None
+        try:
+            module.load_state_dict(state_dict, strict=strict)
+        except RuntimeError as error:  # torch's "Error(s) in loading state_dict": name the checkpoint and the keys
+            path = self._restore.path if self._restore is not None else "<checkpoint>"
+            ckpt.check_full_state_dict(module, state_dict, strict=strict, path=path)
+            raise error
+
+    def _restore_after_sharding(self) -> None:
+        """Loads the module state that a module without values could not take before it was sharded."""
+        restore, module = self._restore, self.lightning_module
+        if restore is None or module is None:
+            return
+        if restore.model_state is not None:
+            self._load_state_dict(restore.model_state, strict=bool(restore.strict))  # each rank keeps its shards
+        elif restore.files is not None and restore.strict is not None:
+            ckpt.load_sharded_model(restore.files, module, strict=restore.strict)
+        restore.model_state, restore.strict = None, None
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
@@ -898,6 +938,7 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        self._restore = None
         # Settling a save and gathering the module are collectives: only when every rank ended the stage
         # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
         if not self._peer_lost and self._stage_ended_on_every_rank(trainer):

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.parallelize import apply_fully_shard, plan_units
+from fsdp_strategy.parallelize import apply_fully_shard, load_full_tensors_into_shards, plan_units
 from fsdp_strategy.policy import normalize_policy
 from fsdp_strategy.testing.models import TinyLM, token_loader
 from fsdp_strategy.testing import full
@@ -80,9 +80,12 @@ def test_sharded_round_trip_is_bit_exact_for_model_and_optimizer(mesh, tmp_path)
     restored = sharded_tinylm(mesh, seed=1)
     restored_optimizer = adamw(restored)
     assert not torch.equal(full(restored.blocks[0].attn_q.weight), saved_params["blocks.0.attn_q.weight"])
-    trainer_state = ckpt.load_sharded(path, restored, [restored_optimizer], strict=True)
+    trainer_state = ckpt.read_sharded(path, restored, strict=True)  # the module's state in place, as the file holds it
+    ckpt.load_sharded_optimizers(path, restored, [restored_optimizer], trainer_state["optimizer_states"])
 
-    assert trainer_state == {"global_step": 1, "epoch": 0}
+    assert trainer_state.keys() == {"global_step", "epoch", "state_dict", "optimizer_states"}
+    assert trainer_state["global_step"] == 1 and trainer_state["epoch"] == 0
+    assert all(isinstance(t, DTensor) for t in trainer_state["state_dict"].values())
     assert_states_equal(full_params(restored), saved_params)
     assert_states_equal(optimizer_state_by_name(restored, restored_optimizer), saved_optimizer)
     assert restored.head.weight is restored.embed.weight
@@ -91,6 +94,38 @@ def test_sharded_round_trip_is_bit_exact_for_model_and_optimizer(mesh, tmp_path)
     train_step(model, optimizer, batch_idx=1)
     train_step(restored, restored_optimizer, batch_idx=1)
     assert_states_equal(full_params(restored), full_params(model))
+
+
+class CountingSGD(torch.optim.SGD):
+    """Plain SGD (no state ever) that counts its steps."""
+
+    def __init__(self, params) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, lr=0.1)
+        self.steps = 0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        self.steps += 1
+        return super().step(closure)
+
+
+def test_saving_and_loading_optimizer_state_never_steps_the_optimizer_nor_drops_gradients(mesh, tmp_path):
+    # torch's get_/set_optimizer_state_dict step an optimizer without state (lr 0) and zero_grad() it; DDP never does.
+    model = sharded_tinylm(mesh, seed=0)
+    optimizer = CountingSGD(model.parameters())
+    model.loss(list(token_loader(batch_size=4, samples=8))[0]).backward()  # gradients of a step not taken yet
+    grads = {name: full(p.grad).clone() for name, p in model.named_parameters()}
+    before = full_params(model)
+    sharded = ckpt.optimizer_state(model, optimizer, full=False)
+    whole = ckpt.optimizer_state(model, optimizer, full=True)
+    assert sharded["state"] == {} and whole["state"] == {}
+    assert sharded["param_groups"][0]["params"] == [name for name, _ in model.named_parameters()]
+    assert whole["param_groups"][0]["params"] == list(range(len(list(model.parameters()))))
+    ckpt.save_sharded(tmp_path / "ck", {"state_dict": ckpt.model_state(model, full=False), "optimizer_states": [sharded]}, is_rank_zero=True)
+    ckpt.load_sharded_optimizers(tmp_path / "ck", model, [optimizer], [sharded])
+    ckpt.load_full_optimizers([optimizer], [whole])
+    assert optimizer.steps == 0
+    assert_states_equal(full_params(model), before)
+    assert_states_equal({name: full(p.grad) for name, p in model.named_parameters()}, grads)
 
 
 def test_a_file_or_a_plain_directory_is_not_a_sharded_checkpoint(tmp_path):
@@ -116,8 +151,11 @@ def test_load_full_from_a_plain_lightning_checkpoint_with_index_keyed_optimizer_
     assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(list(plain.parameters()))))
 
     model = sharded_tinylm(mesh, seed=1)
+    load_full_tensors_into_shards(model)  # the strategy lets a sharded module load full tensors as DDP's does
     optimizer = adamw(model)
-    ckpt.load_full(checkpoint, model, [optimizer], strict=True, path=tmp_path / "plain.ckpt")
+    ckpt.check_full_state_dict(model, checkpoint["state_dict"], strict=True, path=tmp_path / "plain.ckpt")
+    model.load_state_dict(checkpoint["state_dict"])
+    ckpt.load_full_optimizers([optimizer], checkpoint["optimizer_states"])
 
     assert_states_equal(full_params(model), {name: p.detach() for name, p in plain.named_parameters()})
     assert_states_equal(optimizer_state_by_name(model, optimizer), optimizer_state_by_name(plain, plain_optimizer))
@@ -206,7 +244,7 @@ def test_a_full_checkpoint_of_another_model_names_the_mismatching_keys(mesh, tmp
     torch.save({"state_dict": TinyLM(n_layer=4).state_dict()}, path)
     model = sharded_tinylm(mesh, seed=1)
     with pytest.raises(CheckpointError, match=re.escape(f"Checkpoint '{path}' was saved from a different model")) as error:
-        ckpt.load_full(ckpt.read_full_checkpoint(path, weights_only=True), model, [], strict=True, path=path)
+        ckpt.check_full_state_dict(model, ckpt.read_full_checkpoint(path, weights_only=True)["state_dict"], strict=True, path=path)
     assert "unexpected key" in str(error.value) and "blocks.3." in str(error.value)
 
 

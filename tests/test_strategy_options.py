@@ -266,11 +266,8 @@ def test_distributed_sampler_counts_every_rank_on_every_node():
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 0}
 
 
-def test_strategy_is_always_distributed_and_restores_after_setup():
-    strategy = FSDP2Strategy()
-    assert strategy.is_distributed is True  # DistributedSampler and sync_dist even on one device
-    assert strategy.restore_checkpoint_after_setup is True
-    assert strategy.lightning_restore_optimizer is False
+def test_strategy_is_always_distributed():
+    assert FSDP2Strategy().is_distributed is True  # DistributedSampler and sync_dist even on one device
 
 
 def test_device_mesh_before_setup_explains_when_it_exists():
