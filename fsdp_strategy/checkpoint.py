@@ -323,10 +323,11 @@ def read_sharded(
 
 
 def _state_dict(model: nn.Module) -> dict[str, Any]:
-    # A sharded module's entries are its DTensor shards; DCP loads into either in place.
+    # A sharded module's entries are its DTensor shards; DCP loads into either in place. nn.Module's own method, not
+    # an override of the user's: a template is no call of the module's `state_dict` hook, which DDP never makes here.
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return get_model_state_dict(model)
-    return model.state_dict()
+    return nn.Module.state_dict(model)
 
 
 def _model_shaped_entries(metadata: Any) -> list[str]:

@@ -16,6 +16,9 @@ internals is named: the difference between before and after sharding is what get
 
 from __future__ import annotations
 
+import copy
+import copyreg
+import functools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +33,9 @@ from torch.optim import Optimizer
 from fsdp_strategy._compat import forget_composable_state
 from fsdp_strategy.state_bytes import full_bytes, model_state_tensors
 
-__all__ = ["ShardingSnapshot", "all_ranks_agree", "full_state_bytes", "host_memory_available", "unshard"]
+__all__ = [
+    "ShardingSnapshot", "all_ranks_agree", "full_state_bytes", "gathered_parameters", "host_memory_available", "unshard",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class ShardingSnapshot:
     def __init__(self, model: nn.Module) -> None:
         self._modules = {id(m): (m, _state(m)) for m in model.modules()}
         self._added: dict[int, frozenset[str]] = {}
+        self._sharded_of: dict[int, Tensor] = {}
         # The Parameter objects the user's code (and an optimizer kept from an earlier stage) refer to: they
         # are given back, holding the trained values, rather than new ones.
         self._parameters = {
@@ -80,11 +86,7 @@ class ShardingSnapshot:
         forward, after :meth:`added` ran; hooks that user code registered meanwhile stay.
         """
         for key, (module, before) in self._modules.items():
-            removed = set()
-            for name, registry in _hook_registries(module).items():
-                for hook_id, hook in list(registry.items()):
-                    if hook_id not in before.hooks.get(name, ()) and _from_torch_distributed(hook):
-                        removed.add(hook_id)
+            removed = _added_hooks(module, before, _from_torch_distributed)
             for registry in _hook_registries(module).values():
                 for hook_id in removed:
                     registry.pop(hook_id, None)  # also the per-hook flags (with_kwargs, always_called)
@@ -92,6 +94,101 @@ class ShardingSnapshot:
                 module.__dict__.pop(name, None)
             module.__class__ = before.cls
             forget_composable_state(module)
+
+    def pair_gathered(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+        """Remembers the sharded parameter behind each of FSDP2's gathered ones (:func:`gathered_parameters`), so
+        that a copy made while a unit is gathered takes the full-precision shards, not the gathered compute copies."""
+        self._sharded_of = {id(gathered): sharded for sharded, gathered in pairs}
+
+    def plain_view(self, root: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+        """A stand-in for ``root`` (a module of the sharded model) as it would be unsharded: new module objects of the
+        original classes holding the attributes and hooks from before sharding (user hooks added since are kept),
+        and each sharded parameter gathered into a new full ``nn.Parameter`` (tied ones stay tied). Nothing of the
+        live module changes. Returns the stand-in and the gathered parameters. Collective: every rank calls it.
+        """
+        gathered: dict[int, nn.Parameter] = {}
+        with torch.no_grad():
+            for module in root.modules():  # the same order on every rank: each full_tensor() is a collective
+                for param in module._parameters.values():
+                    sharded = self._sharded_of.get(id(param), param) if param is not None else None
+                    if isinstance(sharded, DTensor) and id(param) not in gathered:
+                        gathered[id(param)] = nn.Parameter(sharded.full_tensor(), requires_grad=sharded.requires_grad)
+        views: dict[int, nn.Module] = {}
+
+        def view(module: nn.Module) -> nn.Module:
+            if id(module) in views:
+                return views[id(module)]
+            entry = self._modules.get(id(module))
+            before = entry[1] if entry is not None else _state(module)
+            state = {k: v for k, v in module.__dict__.items() if k not in self._added.get(id(module), ())}
+            removed = _added_hooks(module, before, _from_this_package_or_torch_distributed)
+            for name, registry in _hook_registries(module).items():
+                state[name] = type(registry)((k, v) for k, v in registry.items() if k not in removed)
+            state["_parameters"] = {n: gathered.get(id(p), p) if p is not None else None for n, p in module._parameters.items()}
+            state["_modules"] = {n: view(c) if c is not None else None for n, c in module._modules.items()}
+            copy = object.__new__(before.cls)
+            copy.__dict__.update(state)
+            views[id(module)] = copy
+            return copy
+
+        return view(root), list({id(p): p for p in gathered.values()}.values())
+
+    def enable_copies(self, model: nn.Module) -> None:
+        """Lets ``copy.deepcopy``, ``pickle`` and ``torch.save`` take any module of the sharded ``model`` as under DDP:
+        the copy is a plain module of the original class with full parameters (see :meth:`plain_view`). FSDP2
+        refuses to deep-copy its modules ("FSDP does not support deepcopy"). Call before :meth:`added`, so that
+        giving the module back removes these attributes too."""
+        for module in model.modules():
+            module.__dict__["__deepcopy__"] = functools.partial(_deepcopy, self, module)
+            module.__dict__["__reduce_ex__"] = functools.partial(_reduce_ex, self, module)
+
+
+def _deepcopy(snapshot: ShardingSnapshot, module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    view, gathered = snapshot.plain_view(module)
+    for param in gathered:  # new tensors already: the copy takes them as they are
+        memo[id(param)] = param
+    copied = copy.deepcopy(view, memo)
+    memo[id(module)] = copied
+    return copied
+
+
+def _reduce_ex(snapshot: ShardingSnapshot, module: nn.Module, protocol: int) -> Any:
+    view, _ = snapshot.plain_view(module)
+    reduced = view.__reduce_ex__(protocol)
+    if reduced[0] is copyreg.__newobj__:
+        # pickle refuses __newobj__ of a class other than the pickled object's (FSDP's generated subclass here);
+        # the stand-in's class is rebuilt the way protocols 0 and 1 rebuild an object.
+        cls = reduced[1][0]
+        reduced = (copyreg._reconstructor, (cls, object, None), *reduced[2:])
+    return reduced
+
+
+def gathered_parameters(model: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """``(sharded, gathered)`` for each parameter of the sharded ``model``: FSDP2's gathered (unsharded) parameter
+    of each, created at a unit's first all-gather and reused by every later one, found by gathering one unit at a
+    time. While a unit is gathered, ``named_parameters()`` yields the gathered tensors of the parameters it manages
+    and DTensors for the others. Collective; call it before any forward (it reshards every unit)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = dict(model.named_parameters())
+    pairs: dict[str, tuple[Tensor, Tensor]] = {}
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.unshard()
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor) and name not in pairs and isinstance(sharded.get(name), DTensor):
+                pairs[name] = (sharded[name], param)
+        unit.reshard()
+    return list(pairs.values())
+
+
+def _added_hooks(module: nn.Module, before: _Before, added_by: Any) -> set[Any]:
+    """Ids of the hooks registered on ``module`` since ``before`` whose function ``added_by`` accepts."""
+    found = set()
+    for name, registry in _hook_registries(module).items():
+        for hook_id, hook in registry.items():
+            if hook_id not in before.hooks.get(name, ()) and added_by(hook):
+                found.add(hook_id)
+    return found
 
 
 def _hook_registries(module: nn.Module) -> dict[str, dict]:
@@ -105,8 +202,18 @@ def _state(module: nn.Module) -> _Before:
 
 
 def _from_torch_distributed(hook: Any) -> bool:
+    return _hook_module(hook).startswith("torch.distributed.")
+
+
+def _from_this_package_or_torch_distributed(hook: Any) -> bool:
+    # The strategy's own per-step hooks (unit order, unused parameters) must not follow a module into its copy.
+    return _from_torch_distributed(hook) or _hook_module(hook).startswith("fsdp_strategy.")
+
+
+def _hook_module(hook: Any) -> str:
     function = getattr(hook, "__func__", hook)
-    return getattr(function, "__module__", "").startswith("torch.distributed.")
+    function = getattr(function, "func", function)  # functools.partial
+    return getattr(function, "__module__", "") or ""
 
 
 def full_state_bytes(model: nn.Module, optimizers: Iterable[Optimizer]) -> int:

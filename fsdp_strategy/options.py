@@ -20,9 +20,10 @@ from fsdp_strategy.checks import check_positive_int
 from fsdp_strategy.host_memory import HOST_MEMORY_MODES
 from fsdp_strategy.policy import ModulePolicy, PolicyInput, normalize_policy
 
-__all__ = ["STATE_DICT_TYPES", "Options", "check_options"]
+__all__ = ["HOOK_VIEWS", "STATE_DICT_TYPES", "Options", "check_options"]
 
 STATE_DICT_TYPES = ("auto", "sharded", "full")
+HOOK_VIEWS = ("whole", "sharded")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Options:
     timeout: timedelta
     host_memory: str
     reuse_comm_buffers: bool
+    hook_view: str
 
 
 def check_options(
@@ -69,6 +71,7 @@ def check_options(
     timeout: float | timedelta,
     host_memory: str = "keep",
     reuse_comm_buffers: bool = True,
+    hook_view: str = "whole",
 ) -> Options:
     for option, value in (
         ("hybrid", hybrid),
@@ -106,6 +109,8 @@ def check_options(
                         f" {type(host_memory).__name__}.")
     if host_memory not in HOST_MEMORY_MODES:
         raise ValueError(f"`host_memory` must be one of {HOST_MEMORY_MODES}; got {host_memory!r}.")
+    if not isinstance(hook_view, str) or hook_view not in HOOK_VIEWS:
+        raise ValueError(f"`hook_view` must be one of {HOOK_VIEWS}; got {hook_view!r}.")
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"`state_dict_type` must be one of {STATE_DICT_TYPES}; got {state_dict_type!r}.")
     if process_group_backend is not None and not isinstance(process_group_backend, str):
@@ -141,6 +146,7 @@ def check_options(
         timeout=_as_timedelta(timeout),
         host_memory=host_memory,
         reuse_comm_buffers=reuse_comm_buffers,
+        hook_view=hook_view,
     )
 
 

@@ -10,12 +10,15 @@ distance that DDP with autocast reaches).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from fsdp_strategy.hook_view import WholeParameters
 
 __all__ = [
     "FULL_PRECISION_POLICY",
@@ -66,15 +69,40 @@ def precision_plugin_for(precision: str, device_type: str) -> Precision:
     )
 
 
-class FSDP2Precision(Precision):
+class _WholeParametersInHooks:
+    """Runs ``on_before_optimizer_step`` with the whole parameters and gradients of :attr:`hook_view`
+    (:class:`~fsdp_strategy.hook_view.WholeParameters`, set by the strategy; ``None``: the shards as they are).
+
+    Lightning's ``Precision._after_closure`` calls the hooks and then ``_clip_gradients``: the shards are back
+    before clipping, which works on them across ranks.
+    """
+
+    hook_view: WholeParameters | None = None
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        if self.hook_view is None:
+            return super()._after_closure(model, optimizer)  # type: ignore[misc]
+        self.hook_view.open()
+        try:
+            super()._after_closure(model, optimizer)  # type: ignore[misc]
+        finally:
+            self.hook_view.close()
+
+    def _clip_gradients(self, *args: Any, **kwargs: Any) -> None:
+        if self.hook_view is not None:
+            self.hook_view.close()
+        super()._clip_gradients(*args, **kwargs)  # type: ignore[misc]
+
+
+class FSDP2Precision(_WholeParametersInHooks, Precision):
     """``"32-true"``."""
 
 
-class FSDP2HalfPrecision(HalfPrecision):
+class FSDP2HalfPrecision(_WholeParametersInHooks, HalfPrecision):
     """``"bf16-true"`` / ``"16-true"``: parameters, gradients and optimizer state in the low dtype."""
 
 
-class FSDP2MixedPrecision(MixedPrecision):
+class FSDP2MixedPrecision(_WholeParametersInHooks, MixedPrecision):
     """``"bf16-mixed"`` / ``"16-mixed"``: autocast over fp32 master weights.
 
     fp16 needs loss scaling; its "found inf" flag must agree across ranks, or ranks whose shard

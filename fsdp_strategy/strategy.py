@@ -29,7 +29,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import averaging, background, comm_buffers, host_memory, rendezvous, saving, storage, unit_order, unused, verify
+from fsdp_strategy import (
+    averaging,
+    background,
+    comm_buffers,
+    hook_view,
+    host_memory,
+    pruning,
+    rendezvous,
+    saving,
+    storage,
+    unit_order,
+    unused,
+    verify,
+)
 from fsdp_strategy._compat import reduce_root_gradients_after, reset_iter_state, sync_ddp
 from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
 from fsdp_strategy.checkpoint_error import CheckpointError
@@ -46,7 +59,14 @@ from fsdp_strategy.parallelize import (
     reshard_units,
 )
 from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
-from fsdp_strategy.gather import ShardingSnapshot, all_ranks_agree, full_state_bytes, host_memory_available, unshard
+from fsdp_strategy.gather import (
+    ShardingSnapshot,
+    all_ranks_agree,
+    full_state_bytes,
+    gathered_parameters,
+    host_memory_available,
+    unshard,
+)
 from fsdp_strategy.policy import PolicyInput, class_name, select_modules
 from fsdp_strategy.precision import (
     SUPPORTED_PRECISIONS,
@@ -142,6 +162,11 @@ class FSDP2Strategy(ParallelStrategy):
             pool instead of a fresh allocation each time (the same collectives and results; on the 116M
             benchmark GPT about 15% less CPU time per step). ``False`` allocates each buffer anew, as FSDP2 does.
             Buffers on a GPU are always left to torch's caching allocator.
+        hook_view: what ``on_before_optimizer_step`` (of the module or a callback) sees. ``"whole"``: as under
+            DDP, whole parameters with their whole, reduced gradients (Lightning's ``grad_norm``, custom clipping,
+            NaN checks work unchanged); they are gathered for the hooks, one all-gather of parameters and gradients
+            per optimizer step, and only when such a hook is overridden; what the hooks change is written back into
+            the shards. ``"sharded"``: the DTensor shards, nothing gathered (``p.grad.full_tensor()`` reads one).
     """
 
     strategy_name = "fsdp2"
@@ -168,6 +193,7 @@ class FSDP2Strategy(ParallelStrategy):
         nonfinite_grads: str = "ignore",
         host_memory: str = "keep",
         reuse_comm_buffers: bool = True,
+        hook_view: str = "whole",
     ) -> None:
         super().__init__()
         options = check_options(
@@ -189,7 +215,9 @@ class FSDP2Strategy(ParallelStrategy):
             timeout=timeout,
             host_memory=host_memory,
             reuse_comm_buffers=reuse_comm_buffers,
+            hook_view=hook_view,
         )
+        self._hook_view = options.hook_view
         self._host_memory = options.host_memory
         self._reuse_comm_buffers = options.reuse_comm_buffers
         self._wrap_policy = options.wrap_policy
@@ -228,13 +256,14 @@ class FSDP2Strategy(ParallelStrategy):
         self._membership: rendezvous.Membership | None = None
         self._peer_lost = False
         self._restore: _Restore | None = None
+        self._gathered: list[tuple[Tensor, Tensor]] | None = None  # (sharded, FSDP2's gathered) of each parameter
         self.num_nodes = 1
 
     # Runtime handles of this process (store connections, process groups, threads, the launcher's child
     # processes): a pickled Trainer (`torch.save(trainer)`) leaves them out, as DDPStrategy's holds none.
     _PROCESS_LOCAL = (
         "_membership", "_async_group", "_host_group", "_unused", "_unit_order", "_buffer_sync", "_saves", "_launcher",
-        "_averages", "_comm_buffers", "_restore",
+        "_averages", "_comm_buffers", "_restore", "_gathered",
     )
 
     @override
@@ -375,7 +404,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        note = unused.explain(exception)
+        note = unused.explain(exception) or self._explain_sharded_view(exception)
         if note is not None and hasattr(exception, "add_note"):  # Python >= 3.11
             exception.add_note(note)
         elif note is not None:
@@ -391,6 +420,16 @@ class FSDP2Strategy(ParallelStrategy):
             exception.add_note(message)
         else:
             _log.error(message)
+
+    def _explain_sharded_view(self, exception: BaseException) -> str | None:
+        if self._hook_view != "sharded" or "its data is not allocated yet" not in str(exception):
+            return None
+        return (
+            "Under FSDP2Strategy(hook_view='sharded'), parameters and gradients are DTensor shards, and code written"
+            " for plain tensors (Lightning's `grad_norm`, `torch.tensor([...])` of norms) cannot read them. Pass"
+            " `hook_view='whole'` to see them whole in `on_before_optimizer_step`, as under DDP, or read"
+            " `p.grad.full_tensor()`."
+        )
 
     # --- precision --------------------------------------------------------------------------------
 
@@ -457,6 +496,7 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         averaging.refuse_stochastic_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]
+        pruning.refuse_model_pruning(trainer.callbacks)  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not isinstance(self.model, FSDPModule):
             if fitting:
@@ -492,9 +532,29 @@ class FSDP2Strategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             if self._unused is None or self._unused.model is not self.model:
-                self._unused = unused.UnusedParameters(self.model, group=self._gloo_group())
+                self._unused = unused.UnusedParameters(self.model, group=self._gloo_group(), gathered=self._gathered)
         self._buffer_sync = BufferSync(self.model) if fitting else None
         self.setup_precision_plugin()
+        self.precision_plugin.hook_view = self._whole_parameters_in_hooks(trainer) if fitting else None  # type: ignore[attr-defined]
+
+    def _whole_parameters_in_hooks(self, trainer: pl.Trainer) -> hook_view.WholeParameters | None:
+        readers = hook_view.hooks_read_parameters(self.lightning_module, trainer.callbacks)  # type: ignore[arg-type]
+        if self._hook_view != "whole" or not readers or not isinstance(self.model, FSDPModule):
+            return None
+        needed = hook_view.whole_bytes(self.model)
+        if self.root_device.type == "cuda":
+            free: int | None = torch.cuda.mem_get_info(self.root_device)[0]
+        else:
+            available = host_memory_available()
+            free = None if available is None else available // self.num_processes
+        if not all_ranks_agree(free is None or needed <= free // 2, self.root_device):
+            raise ValueError(
+                f"{', '.join(readers)} overrides `on_before_optimizer_step`, which FSDP2Strategy(hook_view='whole')"
+                f" shows whole parameters and gradients, as DDP does: {format_bytes(needed)} on each rank, more than"
+                f" half of the {format_bytes(free or 0)} free. Pass `hook_view='sharded'`: the hook then sees DTensor"
+                " shards (`p.grad.full_tensor()` gathers one gradient; norms of DTensors are global)."
+            )
+        return hook_view.WholeParameters(self.model)
 
     @property
     def checkpoint_format(self) -> str:
@@ -551,11 +611,14 @@ class FSDP2Strategy(ParallelStrategy):
             # backward (the embedding's with them) would stay allocated through the peak for nothing.
             blocks = [unit.module for unit in units if unit.reshard_after_forward is None and len(unit.modules) == 1]
             self._comm_buffers = comm_buffers.reuse_buffers(blocks, shards=self.device_mesh.size(-1))
+        self._before_sharding.enable_copies(model)
         self._before_sharding.added()
         self._load_hooks = load_full_tensors_into_shards(model)
         was_meta = has_meta_tensors(model)
         materialize(model, self._param_device(), deferred)
         self._move_to_device(model)
+        self._gathered = gathered_parameters(model)
+        self._before_sharding.pair_gathered(self._gathered)
         if self._init_weights is not None and self._restore is None:  # a checkpoint to resume from wins
             self._load_init_weights(model)
         self._log_plan(model, units, was_meta)
@@ -939,6 +1002,15 @@ class FSDP2Strategy(ParallelStrategy):
     def teardown(self) -> None:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         self._restore = None
+        if trainer is None or not trainer.interrupted:
+            self._teardown(trainer)
+            return
+        try:
+            self._teardown(trainer)
+        except Exception as error:  # noqa: BLE001  (Lightning re-raises the user's error after this: keep it in view)
+            _log.warning(f"[rank {self.global_rank}] {type(self).__name__}: teardown after the error above failed too: {error!r}")
+
+    def _teardown(self, trainer: pl.Trainer | None) -> None:
         # Settling a save and gathering the module are collectives: only when every rank ended the stage
         # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
         if not self._peer_lost and self._stage_ended_on_every_rank(trainer):
@@ -1008,7 +1080,7 @@ class FSDP2Strategy(ParallelStrategy):
             self._unit_order.close()
             self._unit_order = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
-        self._before_sharding, self._load_hooks = None, []
+        self._before_sharding, self._load_hooks, self._gathered = None, [], None
         if self._averages is not None:  # as under DDP, WeightAveraging's copy is whole after the stage too
             self._averages.close()
             self._averages = None

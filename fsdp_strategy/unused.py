@@ -35,15 +35,15 @@ forwards at the first of them): that gradient would be lost without a word.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_strategy.gather import gathered_parameters
 from fsdp_strategy.unit_order import UnitOrder
 
 __all__ = ["UnusedParameters", "explain", "supported"]
@@ -69,7 +69,13 @@ class UnusedParameters:
         group: a gloo group over the data-parallel ranks for the record; ``None`` is the default group.
     """
 
-    def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        gathered: Sequence[tuple[Tensor, Tensor]] | None = None,
+    ) -> None:
         self.model = model
         self.group = group
         self.zeros_for_unused = supported()
@@ -79,11 +85,12 @@ class UnusedParameters:
         self._used = [False] * len(named)
         self._none_before: list[bool] = []
         self._pending: dist.Work | None = None
-        unsharded = _unsharded_parameters(model)
-        missing = [name for name, _ in named if name not in unsharded]
+        # FSDP2's gathered parameter of each (the strategy finds them once, after sharding).
+        unsharded = {id(s): g for s, g in (gathered_parameters(model) if gathered is None else gathered)}
+        missing = [name for name, p in named if id(p) not in unsharded]
         if missing:  # such a parameter would count as unused everywhere and lose its gradient
             raise RuntimeError(f"No unsharded parameter found for {missing}; are they managed by fully_shard?")
-        self._unsharded = [unsharded[name] for name in self._names]
+        self._unsharded = [unsharded[id(p)] for p in self._sharded]
         self._handles = [_post_accumulate_hook(u, self._marker(i)) for i, u in enumerate(self._unsharded)]
         self._handles += [
             module.register_forward_pre_hook(self._mirror_hook(prefix))
@@ -200,21 +207,6 @@ def _post_accumulate_hook(param: Tensor, hook: Callable[[Tensor], None]) -> Remo
 def _listed(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(f"'{name}'" for name in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _unsharded_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """FSDP2's unsharded parameter for each name, gathering one unit at a time.
-
-    While a unit is unsharded, ``named_parameters()`` yields the unsharded tensors of the parameters it
-    manages (created at its first all-gather and reused by every later one) and DTensors for the others.
-    """
-    found: dict[str, Tensor] = {}
-    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
-        unit.unshard()
-        gathered = [(name, p) for name, p in model.named_parameters() if not isinstance(p, DTensor)]
-        found.update((name, p) for name, p in gathered if name not in found)
-        unit.reshard()
-    return found
 
 
 def explain(exception: BaseException) -> str | None:

@@ -210,11 +210,14 @@ def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: Ste
     strategy: Any = variant.strategy
     if strategy == "model_parallel":
         strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
-    elif variant.options:
+    elif variant.options or variant.strategy.startswith("fsdp2"):
         from lightning.pytorch.strategies import StrategyRegistry
 
         registered = StrategyRegistry[variant.strategy]
-        strategy = registered["strategy"](**{**registered["init_params"], **variant.options})
+        options = {**registered["init_params"], **variant.options}
+        if variant.strategy.startswith("fsdp2"):  # the probe reads the gradients as each rank holds them
+            options = {"hook_view": "sharded", **options}
+        strategy = registered["strategy"](**options)
     probe = _Probe(log)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, precision=args.precision,
