@@ -112,7 +112,7 @@ class ShardingSnapshot:
                 for param in module._parameters.values():
                     sharded = self._sharded_of.get(id(param), param) if param is not None else None
                     if isinstance(sharded, DTensor) and id(param) not in gathered:
-                        gathered[id(param)] = nn.Parameter(sharded.full_tensor(), requires_grad=sharded.requires_grad)
+                        gathered[id(param)] = nn.Parameter(_full_copy(sharded), requires_grad=sharded.requires_grad)
         views: dict[int, nn.Module] = {}
 
         def view(module: nn.Module) -> nn.Module:
@@ -141,6 +141,12 @@ class ShardingSnapshot:
         for module in model.modules():
             module.__dict__["__deepcopy__"] = functools.partial(_deepcopy, self, module)
             module.__dict__["__reduce_ex__"] = functools.partial(_reduce_ex, self, module)
+
+
+def _full_copy(tensor: DTensor) -> Tensor:
+    full = tensor.full_tensor()
+    # With one shard the "gathered" tensor can be the shard itself, which training goes on to change.
+    return full.clone() if full.untyped_storage().data_ptr() == tensor.to_local().untyped_storage().data_ptr() else full
 
 
 def _deepcopy(snapshot: ShardingSnapshot, module: nn.Module, memo: dict[int, Any]) -> nn.Module:

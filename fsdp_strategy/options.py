@@ -109,7 +109,9 @@ def check_options(
                         f" {type(host_memory).__name__}.")
     if host_memory not in HOST_MEMORY_MODES:
         raise ValueError(f"`host_memory` must be one of {HOST_MEMORY_MODES}; got {host_memory!r}.")
-    if not isinstance(hook_view, str) or hook_view not in HOOK_VIEWS:
+    if not isinstance(hook_view, str):
+        raise TypeError(f"`hook_view` must be a str, one of {HOOK_VIEWS}; got {hook_view!r} of type {type(hook_view).__name__}.")
+    if hook_view not in HOOK_VIEWS:
         raise ValueError(f"`hook_view` must be one of {HOOK_VIEWS}; got {hook_view!r}.")
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"`state_dict_type` must be one of {STATE_DICT_TYPES}; got {state_dict_type!r}.")

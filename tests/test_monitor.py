@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.estimate import estimate_module
+from fsdp_strategy.monitor.flops import datasheet_flops
 from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
 from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.summary import format_summary, summarize
@@ -264,3 +265,34 @@ def test_a_batch_size_fn_returning_a_non_int_is_named(trainer_env, tmp_path):
     monitor = ShardingMonitor(batch_size_fn=lambda batch: 4.0)
     with pytest.raises(TypeError, match=re.escape("`batch_size_fn` must return an int; it returned 4.0 of type float.")):
         _fit(tmp_path, monitor, strategy="auto", max_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "bf16_tflops", "fp32_tflops"),
+    [
+        ("NVIDIA H200", 989.5, 67.0),  # torch's name of an H200 SXM, which Lightning's table does not match
+        ("NVIDIA H200 NVL", 835.0, 60.0),
+        ("NVIDIA H100 80GB HBM3", 989.5, 67.0),
+        ("NVIDIA H100 PCIe", 756.0, 51.0),
+        ("NVIDIA B200", 2250.0, 75.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0, 19.5),
+        ("NVIDIA L40S", 362.05, 91.6),
+        ("AMD Instinct MI300X", 1307.4, 163.4),
+    ],
+)
+def test_datacenter_gpus_have_a_datasheet_peak(device_name, bf16_tflops, fp32_tflops):
+    assert datasheet_flops(device_name, torch.bfloat16) == bf16_tflops * 1e12
+    assert datasheet_flops(device_name, torch.float16) == bf16_tflops * 1e12
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert datasheet_flops(device_name, torch.float32) == fp32_tflops * 1e12
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: the tensor-core peak
+        assert datasheet_flops(device_name, torch.float32) > fp32_tflops * 1e12
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_an_unknown_gpu_has_no_datasheet_peak():
+    assert datasheet_flops("NVIDIA GeForce GTX 1080", torch.bfloat16) is None
+    assert datasheet_flops("NVIDIA H200", torch.float64) is None

@@ -91,6 +91,8 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         ({"hybrid": "yes"}, TypeError, "`hybrid` must be a bool; got 'yes' of type str."),
         ({"meta_init": 1}, TypeError, "`meta_init` must be a bool; got 1 of type int."),
         ({"reuse_comm_buffers": "no"}, TypeError, "`reuse_comm_buffers` must be a bool; got 'no' of type str."),
+        ({"hook_view": "full"}, ValueError, "`hook_view` must be one of ('whole', 'sharded'); got 'full'."),
+        ({"hook_view": 1}, TypeError, "`hook_view` must be a str, one of ('whole', 'sharded'); got 1 of type int."),
         (
             {"compile_blocks": None},
             TypeError,
