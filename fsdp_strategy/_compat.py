@@ -1,7 +1,11 @@
-"""The private torch and Lightning names this package uses, each with why no public API does the job.
+"""The private torch and Lightning names this package uses, each with why no public API does the job, and the
+public APIs whose spelling differs between the supported releases (torch 2.9 to 2.14, Lightning 2.6).
 
 Everything else in the package uses public torch and Lightning APIs. When one of these changes in a torch
-or Lightning release, this is the one file to adapt.
+or Lightning release, this is the one file to adapt; ``.ci/torch_matrix`` runs the tests on the oldest and the
+newest supported torch. One more private Lightning name is not here because it is a method the package overrides
+rather than calls: ``Precision._after_closure`` and ``Precision._clip_gradients`` (Lightning 2.0 to 2.6.6), in
+``fsdp_strategy.precision``, which run ``on_before_optimizer_step`` with whole parameters and clip after it.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_strategy._compat import tree_map
 from fsdp_strategy.policy import ModulePolicy, class_name, select_modules
 from fsdp_strategy.precision import FULL_PRECISION_POLICY, is_normalization
 
@@ -54,6 +55,7 @@ class ShardedUnit:
     num_params: int  # parameters this unit manages itself, not those of units nested in it
     # None: the strategy's reshard_after_forward; False: gathered once per forward and backward.
     reshard_after_forward: bool | None = None
+    input_dtype: torch.dtype | None = None  # floating-point inputs of each module cast to it (cast_inputs)
 
     @property
     def name(self) -> str:
@@ -106,7 +108,7 @@ def plan_units(
     units: list[ShardedUnit] = []
     claimed: set[int] = set()  # parameters of the units planned so far
     if norms:
-        units.append(_unit(norms, FULL_PRECISION_POLICY, claimed, reshard_after_forward=False))
+        units.append(_unit(norms, FULL_PRECISION_POLICY, claimed, reshard_after_forward=False, input_dtype=torch.float32))
     # post-order: fully_shard must see inner units first
     for name, module in reversed(named[1:]):
         if name in blocks:
@@ -123,6 +125,7 @@ def _unit(
     claimed: set[int],
     *,
     reshard_after_forward: bool | None = None,
+    input_dtype: torch.dtype | None = None,
 ) -> ShardedUnit:
     params = {id(p): p for _, module in members for p in module.parameters() if id(p) not in claimed}
     claimed.update(params)
@@ -132,6 +135,7 @@ def _unit(
         mp_policy=mp_policy,
         num_params=sum(p.numel() for p in params.values()),
         reshard_after_forward=reshard_after_forward,
+        input_dtype=input_dtype,
     )
 
 
@@ -178,6 +182,9 @@ def apply_fully_shard(
             offload_policy=offload_policy,
             reshard_after_forward=reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward,
         )
+        if unit.input_dtype is not None:
+            for module in unit.modules:
+                cast_inputs(module, unit.input_dtype)
     # The root's "forward" (the whole *_step) receives the batch: hand it over unchanged, as DDP does,
     # and let autocast choose compute dtypes. Its own parameters, if any, are needed again right after
     # the step, so resharding them in between would only add an all-gather.
@@ -188,6 +195,22 @@ def apply_fully_shard(
     for method in STEP_METHODS:
         if hasattr(model, method) and _is_user_method(model, method):
             register_fsdp_forward_method(model, method)
+
+
+def cast_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
+    """Casts the floating-point tensors among ``module``'s inputs to ``dtype`` before each forward, as FSDP's
+    ``cast_forward_inputs`` does, also when activation checkpointing recomputes the forward in backward (a module
+    hook runs again then; FSDP's cast did not before torch 2.13)."""
+
+    def cast(value: object) -> object:
+        if isinstance(value, torch.Tensor) and torch.is_floating_point(value) and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def reshard_units(model: nn.Module) -> None:

@@ -30,7 +30,10 @@ __all__ = [
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
-FULL_PRECISION_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+# The norms' inputs are cast to fp32 by a hook of the strategy's own (parallelize.cast_inputs), not by FSDP: before
+# torch 2.13 FSDP skipped that cast when activation checkpointing recomputed a norm inside a block, and the
+# recomputed tensors no longer matched the forward's.
+FULL_PRECISION_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 # Class names cover torch's norms and the many re-implementations (LlamaRMSNorm, T5LayerNorm, ...).
 _NORM_CLASS_NAME = re.compile(r"Norm")

@@ -65,6 +65,7 @@ VARIANTS: dict[str, dict] = {
     "sgd_accumulate": {"optimizer": "sgd", "accumulate": 2},
     "sgd_accumulate_clip_norm": {"optimizer": "sgd", "accumulate": 2, "clip_val": 0.5},
     "sgd_bf16": {"optimizer": "sgd", "precision": "bf16-mixed"},
+    "sgd_bf16_ac": {"optimizer": "sgd", "precision": "bf16-mixed", "activation_checkpointing": True},
     "gan": {"model": "gan"},
     "empty_init": {"empty_init": True},
     "adamw_scheduler": {"scheduler": True},

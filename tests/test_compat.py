@@ -41,3 +41,23 @@ def test_a_loss_from_the_roots_own_parameters_reduces_their_gradients(mesh) -> N
     assert critic_gradient(mesh, hooked=False) is None  # FSDP2 alone: left in the unsharded parameter
     reduced = critic_gradient(mesh, hooked=True)
     assert isinstance(reduced, DTensor) and reduced.full_tensor().abs().sum() > 0
+
+
+def test_the_units_plan_is_read_on_this_torch_and_on_those_before_2_12(mesh) -> None:
+    from fsdp_strategy._compat import _param_groups, sharded_units
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    fully_shard([model[0], model[1]], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units = sharded_units(model)
+    assert [(members, reshards) for members, reshards in units] == [([model[0], model[1]], False), ([model[2]], True)]
+
+    class Before212:  # FSDPState up to torch 2.11: one group or None, under the singular name
+        def __init__(self, group: object) -> None:
+            self._fsdp_param_group = group
+
+    group = object()
+    assert _param_groups(Before212(group)) == [group]
+    assert _param_groups(Before212(None)) == []
