@@ -6,7 +6,8 @@
 #   GPU_CHECK_DEVICE=cpu benchmarks/gpu_check.sh # a dry run of the same script on 2 CPU ranks, tiny shapes
 #
 # 1. parity: ddp, fsdp2 and fsdp2_offload trained alike at 32-true (final parameters compared), and ddp and
-#    fsdp2 at bf16-mixed (each one's distance to the fp32 run; fsdp2's at most 2x ddp's);
+#    fsdp2 at bf16-mixed and (on CUDA) 16-mixed with the sharded gradient scaler (each one's distance to the fp32
+#    run; fsdp2's at most 2x ddp's);
 # 2. speed: step time, tokens/s and MFU of a ~1B GPT at bf16-mixed under fsdp2, eager (goal >= 0.45 on an H200);
 # 3. memory: torch.cuda.max_memory_allocated per rank of the 116M GPT (fp32, AdamW), ddp and fsdp2.
 # Each part writes OUT_DIR/<part>.json and prints one "[gpu_check]" line. One GPU means one rank: NCCL takes

@@ -29,17 +29,12 @@ from fsdp_strategy.deferred_init import has_meta_tensors
 from fsdp_strategy.parallelize import load_full_tensors_into_shards
 
 __all__ = [
-    "CURRENT_MODEL_KEY",
     "ShardedAverages",
     "refuse_meta_module",
     "refuse_stochastic_weight_averaging",
     "shard_like",
     "unshard",
 ]
-
-# Where Lightning's WeightAveraging.on_save_checkpoint moves the module's own weights (the checkpoint's
-# "state_dict" then holds the average); a sharded checkpoint keeps them in shards shaped like the module's.
-CURRENT_MODEL_KEY = "current_model_state"
 
 
 def refuse_stochastic_weight_averaging(callbacks: Iterable[Any]) -> None:
@@ -97,11 +92,6 @@ class ShardedAverages:
             # Checkpoint files hold the average as full tensors (DDP's, or state_dict_type="full").
             hooks += load_full_tensors_into_shards(average.module)
         return cls(averages, hooks)
-
-    @property
-    def checkpoint_entries(self) -> tuple[str, ...]:
-        """Entries of a sharded checkpoint that hold state shaped like the module's, besides the module's own."""
-        return (CURRENT_MODEL_KEY,) if self.averages else ()
 
     def close(self) -> None:
         """Gives the averages back as plain full tensors (the module is given back after a stage too)."""

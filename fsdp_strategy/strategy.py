@@ -1002,6 +1002,8 @@ class FSDP2Strategy(ParallelStrategy):
     def teardown(self) -> None:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         self._restore = None
+        if isinstance(self._precision_plugin, _OUR_PLUGINS):
+            self._precision_plugin.hook_view = None  # it holds the module
         if trainer is None or not trainer.interrupted:
             self._teardown(trainer)
             return

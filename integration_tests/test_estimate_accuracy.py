@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fsdp_strategy  # noqa: F401  registers "fsdp2"
+import fsdp_strategy
 from fsdp_strategy.estimate import estimate_module
 from fsdp_strategy.state_bytes import model_state_bytes
 from integration_tests.conftest import torchrun
@@ -132,7 +132,9 @@ def _train(strategy: str, precision: str, optimizer: str, model_optimizer: str, 
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        strategy=strategy,
+        # _Measure reads each rank's shards and counts the step's collectives in on_before_optimizer_step: the
+        # hook must see the shards, not the whole parameters gathered for it.
+        strategy=fsdp_strategy.FSDP2Strategy(hook_view="sharded") if strategy == "fsdp2" else strategy,
         precision=precision,
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,

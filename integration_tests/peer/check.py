@@ -1,0 +1,57 @@
+"""Fails when a Lightning test that passes unmodified fails under "fsdp2" without being a documented difference.
+
+    python integration_tests/peer/check.py RESULTS_DIR [RESULTS_DIR ...]
+
+Each RESULTS_DIR is one run of the peer harness (its ``results.json``). The deliberate differences are the test ids
+in the first column of the "Deliberate differences" table of docs/compatibility.md (matched as the end of the id);
+each must say why it differs and what a user does instead. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+COMPATIBILITY = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+
+
+def deliberate_differences(text: str) -> list[str]:
+    """The test ids listed in the "Deliberate differences" table."""
+    section = text.split("## Deliberate differences", 1)[1].split("\n## ", 1)[0]
+    ids = []
+    for line in section.splitlines():
+        match = re.match(r"^\|\s*`([^`]+)`\s*\|", line)
+        if match:
+            ids.append(match.group(1))
+    return ids
+
+
+def regressions(results: dict, allowed: list[str]) -> tuple[list[str], list[str]]:
+    """(unlisted failures, listed ones) among the tests that pass unmodified and not under the target."""
+    target = [name for name in results["passes"] if name != "baseline"][0]
+    unlisted, listed = [], []
+    for row in results["rows"]:
+        if row["baseline"][0] == "PASS" and row[target][0] != "PASS":
+            (listed if any(row["id"].endswith(a) for a in allowed) else unlisted).append(f"{row['id']}: {row[target][0]}")
+    return unlisted, listed
+
+
+def main(directories: list[str]) -> int:
+    allowed = deliberate_differences(COMPATIBILITY.read_text())
+    failed = False
+    for directory in directories:
+        results = json.loads((Path(directory) / "results.json").read_text())
+        unlisted, listed = regressions(results, allowed)
+        passing = sum(1 for row in results["rows"] if row["baseline"][0] == "PASS")
+        print(f"{directory}: {passing - len(unlisted) - len(listed)}/{passing} tests that pass unmodified pass under fsdp2;"
+              f" {len(listed)} documented difference(s), {len(unlisted)} regression(s)")
+        for line in unlisted:
+            print(f"  REGRESSION {line}")
+        failed |= bool(unlisted)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
