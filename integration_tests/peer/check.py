@@ -19,7 +19,7 @@ COMPATIBILITY = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md
 
 def deliberate_differences(text: str) -> list[str]:
     """The test ids listed in the "Deliberate differences" table."""
-    section = text.split("## Deliberate differences", 1)[1].split("\n## ", 1)[0]
+    section = text.split("### Deliberate differences", 1)[1].split("\n#", 1)[0]
     ids = []
     for line in section.splitlines():
         match = re.match(r"^\|\s*`([^`]+)`\s*\|", line)
