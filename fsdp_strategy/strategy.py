@@ -1015,11 +1015,20 @@ class FSDP2Strategy(ParallelStrategy):
     def _teardown(self, trainer: pl.Trainer | None) -> None:
         # Settling a save and gathering the module are collectives: only when every rank ended the stage
         # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
-        if not self._peer_lost and self._stage_ended_on_every_rank(trainer):
+        ended = not self._peer_lost and self._stage_ended_on_every_rank(trainer)
+        if ended:
             self.wait_for_checkpoint()
             if self._unused is not None:
                 self._unused.wait()
             self._give_back_plain_module()
+        # The per-step trackers go with the stage, also when it failed or the module stays sharded: the unused-
+        # parameter hooks would otherwise keep the module alive after its Trainer (a later setup makes new ones).
+        if self._unused is not None:
+            self._unused.close(wait=ended)
+            self._unused = None
+        if self._unit_order is not None:
+            self._unit_order.close()
+            self._unit_order = None
         if not self._peer_lost:
             self._saves.close()
         if self._membership is not None:

@@ -182,9 +182,16 @@ class UnusedParameters:
             self._pending.wait()
             self._pending = None
 
-    def close(self) -> None:
-        """Removes the hooks; the model reduce-scatters only the gradients it has again."""
-        self.wait()
+    def close(self, *, wait: bool = True) -> None:
+        """Removes the hooks; the model reduce-scatters only the gradients it has again.
+
+        Call it whenever the tracker is done with, also after a failed stage (``wait=False``: a peer may never
+        send its record): a hook on a gathered parameter and the tensor it sits on reference each other through
+        torch's C++ side, a cycle the garbage collector cannot free, which would keep the whole model alive.
+        """
+        if wait:
+            self.wait()
+        self._pending = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
