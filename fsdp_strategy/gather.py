@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import functools
+import gc
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class ShardingSnapshot:
                 module.__dict__.pop(name, None)
             module.__class__ = before.cls
             forget_composable_state(module)
+        self._sharded_of = {}
 
     def pair_gathered(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
         """Remembers the sharded parameter behind each of FSDP2's gathered ones (:func:`gathered_parameters`), so
@@ -242,30 +244,40 @@ def host_memory_available() -> int | None:
 
 
 def unshard(model: nn.Module, before: ShardingSnapshot, optimizers: Iterable[Optimizer], *, device: torch.device) -> None:
-    """Gathers every DTensor parameter (and optimizer state) of ``model`` into full tensors on ``device``
-    and gives each module back its original class, hooks, attributes and Parameter objects, now holding the
-    full values. Collective: every rank calls it."""
+    """Gathers every DTensor parameter of ``model`` into a full tensor on ``device`` and gives each module back its
+    original class, hooks, attributes and Parameter objects, now holding the full values. Collective: every rank
+    calls it.
+
+    One parameter at a time, so that giving the module back never needs more memory than training did: FSDP's
+    state goes first, then each shard is gathered, put in place of its parameter (in the modules and in the
+    optimizers) and let go. The optimizers' states stay sharded: nothing reads them after a stage unless a
+    checkpoint is saved, which gathers them entry by entry (:mod:`fsdp_strategy.optimizer_state`).
+    """
     optimizers = list(optimizers)
+    shards = _unique_dtensors(model)
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and isinstance(param, DTensor):
+                owners.setdefault(id(param), []).append((module, name))
+    before.restore()
+    gc.collect()  # FSDP's state (cycles of modules, units and parameters) holds the shards until it is collected
     with torch.no_grad():
-        full = {id(p): _full(p, device) for p in _unique_dtensors(model)}
-        replacements: dict[int, nn.Parameter] = {}
-        for module in model.modules():  # pair each sharded parameter with the object it replaced
-            for name, param in module._parameters.items():
-                if param is not None and id(param) in full and id(param) not in replacements:
-                    original = before.original(module, name)
-                    if original is None or original.is_meta:  # added later, or never allocated: a new one
-                        original = nn.Parameter(full[id(param)], requires_grad=param.requires_grad)
-                    else:
-                        original.data = full[id(param)]
-                        original.requires_grad_(param.requires_grad)
-                    replacements[id(param)] = original
-        before.restore()
-        for module in model.modules():
-            for name, param in list(module._parameters.items()):
-                if param is not None and id(param) in replacements:
-                    setattr(module, name, replacements[id(param)])
-        for optimizer in optimizers:
-            _swap_optimizer(optimizer, replacements, device)
+        for index, param in enumerate(shards):
+            full = param.full_tensor().to(device)
+            module, name = owners[id(param)][0]
+            original = before.original(module, name)
+            if original is None or original.is_meta:  # added later, or never allocated: a new one
+                original = nn.Parameter(full, requires_grad=param.requires_grad)
+            else:
+                original.data = full
+                original.requires_grad_(param.requires_grad)
+            for module, name in owners[id(param)]:
+                module._parameters[name] = original
+            for optimizer in optimizers:
+                _swap_parameter(optimizer, param, original)
+            shards[index] = None  # type: ignore[call-overload]
+            del param  # the shard, and its gradient, go now
 
 
 def _unique_dtensors(model: nn.Module) -> list[DTensor]:
@@ -273,20 +285,12 @@ def _unique_dtensors(model: nn.Module) -> list[DTensor]:
     return [p for p in {id(p): p for p in model.parameters()}.values() if isinstance(p, DTensor)]
 
 
-def _full(tensor: DTensor, device: torch.device) -> Tensor:
-    return tensor.full_tensor().to(device)
-
-
-def _swap_optimizer(optimizer: Optimizer, replacements: dict[int, nn.Parameter], device: torch.device) -> None:
+def _swap_parameter(optimizer: Optimizer, old: nn.Parameter, new: nn.Parameter) -> None:
+    """``new`` in place of ``old`` in the optimizer's groups and as the key of its state (which stays as it is)."""
     for group in optimizer.param_groups:
-        for index, param in enumerate(group["params"]):
-            new = replacements.get(id(param))
-            if new is None:
-                continue
-            state = optimizer.state.pop(param, None)
-            if state is not None:
-                optimizer.state[new] = {k: _full(v, device) if isinstance(v, DTensor) else v for k, v in state.items()}
-            group["params"][index] = new
+        group["params"] = [new if p is old else p for p in group["params"]]
+    if old in optimizer.state:
+        optimizer.state[new] = optimizer.state.pop(old)
 
 
 def all_ranks_agree(flag: bool, device: torch.device) -> bool:

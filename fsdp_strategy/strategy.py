@@ -1072,12 +1072,12 @@ class FSDP2Strategy(ParallelStrategy):
         if not isinstance(self.model, FSDPModule) or self._before_sharding is None or trainer is None or trainer.interrupted:
             return
         optimizers = self._sharded_optimizers()
-        needed = full_state_bytes(self.model, optimizers) * self.num_processes
+        needed = full_state_bytes(self.model, []) * self.num_processes  # the optimizer states stay sharded
         available = host_memory_available()
         if not all_ranks_agree(available is None or needed <= available // 2, self.root_device):
             rank_zero_info(
-                f"{type(self).__name__}: the module stays sharded after this stage: its full parameters and optimizer"
-                f" state ({format_bytes(needed)} for the {self.num_processes} processes of a node) do not fit in half of"
+                f"{type(self).__name__}: the module stays sharded after this stage: its full parameters"
+                f" ({format_bytes(needed)} for the {self.num_processes} processes of a node) do not fit in half of"
                 " the free host memory. Every rank must call its forward together; for one process, load a"
                 " consolidated checkpoint (`fsdp-strategy consolidate`) into a fresh module."
             )
@@ -1090,8 +1090,10 @@ class FSDP2Strategy(ParallelStrategy):
         if self._unit_order is not None:
             self._unit_order.close()
             self._unit_order = None
+        self._gathered = None  # it holds the shards, which unshard() lets go one by one
+        self._comm_buffers = None
         unshard(self.model, self._before_sharding, optimizers, device=torch.device("cpu"))
-        self._before_sharding, self._load_hooks, self._gathered = None, [], None
+        self._before_sharding, self._load_hooks = None, []
         if self._averages is not None:  # as under DDP, WeightAveraging's copy is whole after the stage too
             self._averages.close()
             self._averages = None
