@@ -36,9 +36,11 @@ def create(directory: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_strategy import checkpoint as ckpt
+    from fsdp_strategy import rendezvous
     from fsdp_strategy.mesh import build_device_mesh
 
     dist.init_process_group("gloo")
+    rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)
     mesh = build_device_mesh("cpu", 1, dist.get_world_size())
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(65536, 1024), *[nn.Linear(1024, 1024) for _ in range(4)])

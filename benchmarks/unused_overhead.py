@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from fsdp_strategy import rendezvous
 from fsdp_strategy.benchmark.gpt import GPT
 from fsdp_strategy.benchmark.worker import make_optimizer, next_token_loss, token_loader
 from fsdp_strategy.policy import normalize_policy, select_modules
@@ -57,6 +58,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
+    rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
 

@@ -9,11 +9,13 @@ elastic restart on gloo, can read keys the dead attempt left in the agent's stor
 * a roster: every rank announces itself (node, local rank, host, pid) and waits, until the timeout, for
   the others; a rank that never arrives is named;
 * a heartbeat: a background thread bumps a per-rank counter (and records the global step), so that when a
-  collective fails, :meth:`Membership.diagnose` tells which ranks stopped and which are merely behind.
+  collective fails, :meth:`Membership.diagnose` tells which ranks stopped and which are merely behind;
+* a clean end of the process: :func:`finish_collectives_at_exit`.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -24,7 +26,29 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Member", "Membership", "PeerLostError", "join"]
+__all__ = ["Member", "Membership", "PeerLostError", "finish_collectives_at_exit", "join"]
+
+# How long the end of the process lets the collectives' threads run: they need the GIL for microseconds after the
+# last collective completed (docs/gloo_exit_abort.py).
+COLLECTIVE_THREADS_GRACE_S = 0.05
+
+
+def finish_collectives_at_exit() -> None:
+    """Registers, once per process, an exit handler that lets gloo's worker threads finish before Python finalizes.
+
+    A gloo worker thread destroys each collective's work object after completing it, and a barrier's holds the
+    works queued before it; releasing their tensors takes the GIL. When that happens after the script's last line,
+    while the interpreter finalizes, Python makes the thread exit instead, the forced unwind meets a C++ destructor
+    that may not throw, and std::terminate aborts the process ("terminate called without an active exception",
+    exit status -6 after a successful run; ``docs/gloo_exit_abort.py`` shows it with torch alone, in about half of
+    the launches). Exit handlers run while threads may still take the GIL: sleeping in one releases it for them.
+    """
+    atexit.unregister(_let_collective_threads_finish)
+    atexit.register(_let_collective_threads_finish)
+
+
+def _let_collective_threads_finish() -> None:
+    time.sleep(COLLECTIVE_THREADS_GRACE_S)
 
 _PREFIX = "fsdp_strategy"
 _ROSTER_POLL_SECONDS = 0.2

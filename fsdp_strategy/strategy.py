@@ -363,6 +363,7 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self._peer_lost = False
         self._restore = None
+        rendezvous.finish_collectives_at_exit()
         if not _distributed_is_initialized():
             self._membership = self._join_process_group(backend)
         elif self._membership is not None:  # a later fit/validate/test with the same strategy

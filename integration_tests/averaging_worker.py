@@ -29,7 +29,6 @@ import fsdp_strategy
 from fsdp_strategy._compat import averaged_model_of
 from fsdp_strategy.testing.dropin import TinyCNN, image_loader
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 def make_strategy(run: str) -> Any:
@@ -173,4 +172,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

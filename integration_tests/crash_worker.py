@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import fsdp_strategy
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 def die_in_save(k: int) -> None:
@@ -66,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from fsdp_strategy import rendezvous
 from fsdp_strategy.deferred_init import deferred_init, materialize, records_by_name
-from fsdp_strategy.testing.distributed import run_worker_main
 
 CPU = torch.device("cpu")
 
@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)
     world = dist.get_world_size()
     results: dict = {}
     for kind in args.meshes.split(","):
@@ -139,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

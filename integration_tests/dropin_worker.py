@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
-from fsdp_strategy.testing.distributed import run_worker_main
 from fsdp_strategy.testing.dropin import (
     ExpertsLM,
     ManualCNN,
@@ -202,4 +201,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

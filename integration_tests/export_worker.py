@@ -16,7 +16,6 @@ import torch
 import fsdp_strategy
 from fsdp_strategy.testing.hf import TinyLlama
 from fsdp_strategy.testing.models import token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 def main() -> None:
@@ -51,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -44,7 +44,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_strategy
-from fsdp_strategy.testing.distributed import run_worker_main
 
 WIDTH, OUT, VOCAB, LOCAL_BATCH = 6, 5, 16, 2  # 6 rows over 4 ranks: uneven, padded shards
 
@@ -462,4 +461,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 import fsdp_strategy
 from fsdp_strategy.testing.callbacks import DropGradsAt
 from fsdp_strategy.testing.models import PoisonedLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 def train(run: str, devices: int, poison_step: int, max_steps: int) -> dict:
@@ -71,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

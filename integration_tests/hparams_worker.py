@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 class Mode(enum.Enum):
@@ -194,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

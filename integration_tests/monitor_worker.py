@@ -13,7 +13,6 @@ from lightning.pytorch.loggers import CSVLogger
 
 from fsdp_strategy import ShardingMonitor
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 def train(strategy: str, devices: int, max_steps: int, out_dir: Path) -> tuple[dict, int]:
@@ -51,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -28,7 +28,6 @@ from torch.utils.data import DataLoader
 import fsdp_strategy
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.testing.models import TinyLM, token_dataset
-from fsdp_strategy.testing.distributed import run_worker_main
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -155,4 +154,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

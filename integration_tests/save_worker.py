@@ -36,7 +36,6 @@ import fsdp_strategy
 from fsdp_strategy.testing.callbacks import RecordingIO
 from fsdp_strategy.testing.faults import Disk
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 class Module(TinyLM):
@@ -225,4 +224,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

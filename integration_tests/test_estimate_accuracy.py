@@ -32,7 +32,6 @@ from fsdp_strategy.estimate import estimate_module
 from fsdp_strategy.state_bytes import model_state_bytes
 from integration_tests.conftest import torchrun
 from fsdp_strategy.testing.models import VOCAB, WIDTH, TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 class OddLM(TinyLM):
@@ -165,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

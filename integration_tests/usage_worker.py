@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_strategy
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 STEPS = 4
 
@@ -292,4 +291,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 import fsdp_strategy
 from fsdp_strategy.state_bytes import model_state_bytes
 from fsdp_strategy.testing.models import TinyGAN, TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 
 
 class Recorder(L.Callback):
@@ -182,4 +181,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -280,6 +280,7 @@ package = types.ModuleType("fsdp_strategy")
 package.__path__ = [sys.argv[3]]
 sys.modules["fsdp_strategy"] = package
 from fsdp_strategy import checkpoint as ckpt
+from fsdp_strategy import rendezvous
 
 
 class Model(nn.Module):
@@ -303,6 +304,7 @@ def full(t):
 
 
 dist.init_process_group("gloo")
+rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)
 torch.manual_seed(0)
 model = Model()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -38,7 +38,6 @@ import gc, json, sys
 import lightning as L
 from fsdp_strategy.live_tensors import LiveTensors, existing_tensors
 from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.distributed import run_worker_main
 from fsdp_strategy.testing.peak_runs import live_peak_fit
 def main():
     strategy, checkpointing = json.loads(sys.argv[1])
@@ -49,7 +48,7 @@ def main():
     L.seed_everything(0, verbose=False)
     peak = live_peak_fit(TinyLM(), token_loader(batch_size=4, samples=16), strategy=strategy, checkpointing=checkpointing)
     print(json.dumps(peak - before))
-run_worker_main(main)
+main()
 """
 
 

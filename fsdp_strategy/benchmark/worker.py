@@ -43,13 +43,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
-from fsdp_strategy import host_memory
+from fsdp_strategy import host_memory, rendezvous
 from fsdp_strategy.benchmark.options import PRECISIONS, PROGRESS_PREFIX, load_model_class, parse_variant
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
 from fsdp_strategy.policy import normalize_policy, select_modules
 from fsdp_strategy.precision import mixed_precision_policy
 from fsdp_strategy.state_bytes import full_bytes, held_bytes, model_state_tensors
-from fsdp_strategy.testing.distributed import run_worker_main
 
 SEED = 0
 
@@ -235,6 +234,7 @@ def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: Ste
 
 def run_raw(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, rank: int, world_size: int) -> tuple:
     dist.init_process_group("gloo")
+    rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)
     mixed = mixed_precision_policy(args.precision)
     torch.manual_seed(SEED)
     model = benchmark_class(cls, args.strategy)(**init_args)
@@ -308,4 +308,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()

@@ -25,7 +25,6 @@ from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.benchmark.gpt import GPT
 from fsdp_strategy.parallelize import apply_activation_checkpointing
 from fsdp_strategy.policy import normalize_policy, select_modules
-from fsdp_strategy.testing.distributed import run_worker_main
 
 __all__ = ["STEPS", "live_peak_fit", "measure", "parse_config"]
 
@@ -111,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_worker_main(main)
+    main()
