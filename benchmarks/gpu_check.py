@@ -187,7 +187,36 @@ def part_memory(args: argparse.Namespace) -> dict:
     return rows
 
 
-PARTS = {"parity": part_parity, "speed": part_speed, "memory": part_memory}
+def part_lifecycle(args: argparse.Namespace) -> dict:
+    """Device memory left after each of four fits in one process (``del`` of the module, ``gc.collect()``), the third
+    failing in its second step: nothing of a finished run may stay on the device (flat after the first fit)."""
+    import gc
+
+    class Failing(BenchGPT):
+        def training_step(self, batch, batch_idx: int):  # type: ignore[no-untyped-def]
+            if batch_idx == 1:
+                raise RuntimeError("a bad trial")
+            return super().training_step(batch, batch_idx)
+
+    shape = GPT_SIZES["tiny" if args.tiny else "small"]
+    allocated, failed = [], []
+    for fit in range(4):
+        torch.manual_seed(SEED)
+        run = trainer(args, "fsdp2", "bf16-mixed", 3)
+        model = (Failing if fit == 2 else BenchGPT)(**shape, block_size=64, vocab_size=args.vocab)
+        try:
+            run.fit(model, loader(3, 2, 64, args.vocab, run.world_size, run.global_rank))
+            failed.append(False)
+        except RuntimeError:
+            failed.append(True)
+        del run, model
+        gc.collect()
+        allocated.append(torch.cuda.memory_allocated() if args.device == "cuda" else None)
+    flat_after_first = args.device != "cuda" or all(a == allocated[0] for a in allocated)
+    return {"allocated_after_each_fit": allocated, "fit_failed": failed, "passed": flat_after_first and failed == [False, False, True, False]}
+
+
+PARTS = {"parity": part_parity, "speed": part_speed, "memory": part_memory, "lifecycle": part_lifecycle}
 
 
 def main() -> None:

@@ -9,7 +9,8 @@
 #    fsdp2 at bf16-mixed and (on CUDA) 16-mixed with the sharded gradient scaler (each one's distance to the fp32
 #    run; fsdp2's at most 2x ddp's);
 # 2. speed: step time, tokens/s and MFU of a ~1B GPT at bf16-mixed under fsdp2, eager (goal >= 0.45 on an H200);
-# 3. memory: torch.cuda.max_memory_allocated per rank of the 116M GPT (fp32, AdamW), ddp and fsdp2.
+# 3. memory: torch.cuda.max_memory_allocated per rank of the 116M GPT (fp32, AdamW), ddp and fsdp2;
+# 4. lifecycle: torch.cuda.memory_allocated after each of four fits in one process (one failing), flat.
 # Each part writes OUT_DIR/<part>.json and prints one "[gpu_check]" line. One GPU means one rank: NCCL takes
 # one rank per device, so the collectives are exercised across ranks only on a machine with 2 or more GPUs.
 set -euo pipefail
@@ -28,7 +29,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH="$PWD${PYTHONPATH:+:$PYT
 mkdir -p "$OUT"
 status=0
 # Seconds per part, 8 minutes in all; the speed part (the ~1B model) is the longest.
-for spec in parity:150 speed:210 memory:120; do
+for spec in parity:150 speed:180 memory:100 lifecycle:50; do
     part=${spec%%:*} limit=${spec##*:} start=$(date +%s)
     if ! timeout "$limit" python -m torch.distributed.run --standalone --nproc-per-node "$RANKS" benchmarks/gpu_check.py \
         --part "$part" --device "$DEVICE" --out "$OUT" "${EXTRA[@]}" > "$OUT/$part.log" 2>&1; then
@@ -42,7 +43,7 @@ done
 python - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for part in ("parity", "speed", "memory"):
+for part in ("parity", "speed", "memory", "lifecycle"):
     path = out / f"{part}.json"
     print(f"{part}: {json.loads(path.read_text()) if path.exists() else 'no result'}")
 PY

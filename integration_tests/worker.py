@@ -28,6 +28,7 @@ class Recorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.state_bytes: tuple[int, int] | None = None
+        self.comm_buffer_bytes: int | None = None  # the strategy lets its pool go with the stage
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         if isinstance(outputs, dict) and "loss" in outputs:
@@ -39,6 +40,7 @@ class Recorder(L.Callback):
             model_state_bytes(pl_module, optimizers, scalar_state=False),  # as padded_share_bytes counts
             padded_share_bytes(pl_module, optimizers, trainer.world_size),
         )
+        self.comm_buffer_bytes = getattr(getattr(trainer.strategy, "_comm_buffers", None), "nbytes", None)
 
 
 def padded_share_bytes(module: torch.nn.Module, optimizers: list, world_size: int) -> int:
@@ -155,7 +157,7 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
         "world_size": trainer.world_size,
         "is_global_zero": trainer.is_global_zero,
         # bytes of the collectives' buffers that the strategy reused (None: FSDP2's own allocation)
-        "comm_buffer_bytes": getattr(getattr(trainer.strategy, "_comm_buffers", None), "nbytes", None),
+        "comm_buffer_bytes": recorder.comm_buffer_bytes,
     }
 
 

@@ -118,7 +118,7 @@ def row(strategy, world_size, repeat, rank, *, growth, step, state=100 * MiB):
         "strategy": strategy, "world_size": world_size, "repeat": repeat, "rank": rank, "params": 1000,
         "precision": "32-true", "batch_size": 2, "seq_len": 8, "rss_after_imports_bytes": 400 * MiB,
         "peak_rss_bytes": 400 * MiB + growth, "growth_bytes": growth, "train_growth_bytes": growth - MiB,
-        "model_state_bytes": state,
+        "stage_end_s": step * (1 + rank), "model_state_bytes": state,
         "model_state_total_bytes": 200 * MiB, "model_state_over_ideal": state / (200 * MiB / world_size),
         "step_time_s": step, "cpu_time_s": step / 2, "samples_per_s": world_size * 2 / step,
         "tokens_per_s": world_size * 16 / step, "loss_last": 5.5, "step_times_s": [step, step],
@@ -145,6 +145,7 @@ def test_summary_takes_the_worst_rank_then_medians_and_paired_ratios_over_repeat
     assert (fsdp2["growth_bytes_min"], fsdp2["growth_bytes_max"]) == (510 * MiB, 550 * MiB)
     assert fsdp2["growth_over_ddp"] == pytest.approx(sorted([510 / 1000, 550 / 1100, 530 / 900])[1])
     assert fsdp2["step_time_s"] == pytest.approx(0.12)
+    assert fsdp2["stage_end_s"] == pytest.approx(2 * 0.12)  # the slower rank's give-back, as fit waits for it
     assert fsdp2["step_time_over_raw_fsdp2"] == pytest.approx(1.2)
     assert fsdp2["step_time_over_model_parallel"] is None  # not run
     assert fsdp2["model_state_over_ideal"] == pytest.approx(1.0)

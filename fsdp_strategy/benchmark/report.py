@@ -16,8 +16,8 @@ __all__ = ["CSV_FIELDS", "RATIOS", "format_table", "job_figures", "plot", "summa
 
 CSV_FIELDS = (
     "strategy", "world_size", "repeat", "rank", "params", "precision", "batch_size", "seq_len",
-    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "train_growth_bytes", "model_state_bytes",
-    "model_state_total_bytes",
+    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "train_growth_bytes", "stage_end_s",
+    "model_state_bytes", "model_state_total_bytes",
     "model_state_over_ideal", "step_time_s", "cpu_time_s", "samples_per_s", "tokens_per_s", "loss_last",
 )
 
@@ -25,6 +25,7 @@ CSV_FIELDS = (
 FIGURES = {
     "growth_bytes": max,
     "train_growth_bytes": max,
+    "stage_end_s": max,
     "peak_rss_bytes": max,
     "model_state_bytes": max,
     "model_state_over_ideal": max,

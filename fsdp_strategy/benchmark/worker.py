@@ -156,6 +156,8 @@ class StepLog:
         self.losses: list[float] = []
         self.rss: list[int | None] = []  # at each batch start: where the growth happens
         self.train_peak = 0  # peak RSS when training ended, before the strategy's teardown gathers anything
+        self.train_end = 0.0  # wall time then
+        self.stage_end_s = 0.0  # from the end of training to fit's return: the strategy's teardown (giving back)
 
     def batch_start(self) -> None:
         self.wall.append(time.perf_counter())
@@ -190,6 +192,7 @@ class _Probe(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
         self.step_log.train_peak = peak_rss_bytes()
+        self.step_log.train_end = time.perf_counter()
         self.model_state = held_and_full_state_bytes(pl_module, trainer.optimizers[0], self.step_log.grad_bytes)
 
 
@@ -229,6 +232,7 @@ def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: Ste
     with trainer.init_module(empty_init=True) if variant.init == "meta" else nullcontext():
         model = benchmark_class(cls, variant.strategy)(**init_args)
     trainer.fit(model, train_dataloaders=token_loader(args, rank, world_size))
+    log.stage_end_s = time.perf_counter() - log.train_end
     return probe.model_state, sum(p.numel() for p in model.parameters())
 
 
@@ -276,6 +280,7 @@ def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: 
         # Up to the end of training: "fsdp2" gives the module back in full after fit (as DDP leaves it), and
         # that gathered state counts in growth_bytes, not here.
         "train_growth_bytes": log.train_peak - rss_after_imports,
+        "stage_end_s": log.stage_end_s,
         "model_state_bytes": state[0],
         "model_state_total_bytes": state[1],
         "model_state_over_ideal": state[0] / (state[1] / world_size),
