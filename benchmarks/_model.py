@@ -1,5 +1,5 @@
 """The model the scripts in ``benchmarks/`` train: the example GPT with the training step (next-token
-cross-entropy, nothing logged) and AdamW of ``fsdp-strategy benchmark`` (``fsdp_strategy/benchmark/worker.py``),
+cross-entropy, nothing logged) and AdamW of ``fsdp-strategy benchmark`` (``fsdp_strategy/tools/benchmark/worker.py``),
 so that they measure what that command measures.
 """
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import lightning as L
 
-from fsdp_strategy.benchmark.gpt import GPT
-from fsdp_strategy.benchmark.worker import benchmark_class
+from fsdp_strategy.tools.benchmark.gpt import GPT
+from fsdp_strategy.tools.benchmark.worker import benchmark_class
 
-MODEL_SOURCE = "fsdp_strategy.benchmark.gpt:GPT"
+MODEL_SOURCE = "fsdp_strategy.tools.benchmark.gpt:GPT"
 BenchModel = benchmark_class(GPT, "fsdp2")
 
 

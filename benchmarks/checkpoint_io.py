@@ -38,10 +38,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import ckpt_common as cc
 import torch
 import torch.distributed as dist
-
-import ckpt_common as cc
 
 MODES = ("sharded", "full", "async")
 HERE = os.path.dirname(os.path.abspath(__file__))

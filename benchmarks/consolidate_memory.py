@@ -7,7 +7,7 @@ Steps (the script launches everything itself):
      ``StackModel`` (benchmarks/ckpt_common.py) one step with FSDP2Strategy (AdamW state exists), then
      ``trainer.save_checkpoint(DIR)`` as a sharded checkpoint (~1.2 GB).
   2. Interleaved, ``--repeats`` times: (a) a process that only runs ``import fsdp_strategy``; (b) a process that
-     imports what the CLI imports (``fsdp_strategy.cli``, ``fsdp_strategy.consolidate``); (c)
+     imports what the CLI imports (``fsdp_strategy.tools.cli``, ``fsdp_strategy.tools.consolidate``); (c)
      ``python -m fsdp_strategy consolidate DIR OUT --no-progress`` (OUT deleted after each run).
      For each child the peak RSS is the kernel's ``ru_maxrss`` from ``os.wait4`` (exact, per child); a psutil
      poller (10 ms) records the same peak as a cross-check.
@@ -130,7 +130,7 @@ def main() -> None:
 
         cmds = {
             "import_only": [sys.executable, "-c", "import fsdp_strategy"],
-            "import_cli": [sys.executable, "-c", "import fsdp_strategy.cli, fsdp_strategy.consolidate"],
+            "import_cli": [sys.executable, "-c", "import fsdp_strategy.tools.cli, fsdp_strategy.tools.consolidate"],
             "consolidate": [sys.executable, "-m", "fsdp_strategy", "consolidate", ckpt_dir, out_file, "--no-progress"],
         }
         runs: dict[str, list[dict]] = {k: [] for k in cmds}

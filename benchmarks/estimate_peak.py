@@ -1,6 +1,6 @@
 """The estimator's step peak against the live-tensor peak of real training, on the benchmark GPT (docs/benchmarks.md).
 
-Launches ``fsdp_strategy.testing.peak_runs`` under torchrun (every configuration, one after another, in the
+Launches ``testkit.peak_runs`` under torchrun (every configuration, one after another, in the
 same processes; with ``--separate`` one launch per configuration), predicts each configuration with ``fsdp_strategy.estimate`` and prints one Markdown row per
 configuration: predicted and measured peak (the largest rank) and their difference. Also writes the figures as
 JSON to ``--out``.
@@ -18,9 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdp_strategy.benchmark.gpt import GPT, GPT_SIZES
-from fsdp_strategy.estimate_report import estimate
-from fsdp_strategy.testing.peak_runs import parse_config
+from fsdp_strategy.estimator.report import estimate
+from fsdp_strategy.tools.benchmark.gpt import GPT, GPT_SIZES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # testkit/, beside the package
+from testkit.peak_runs import parse_config  # noqa: E402
 
 MiB = 2**20
 CONFIGS = [
@@ -43,10 +45,10 @@ def _measure(configs: list[str], model_args: dict, args: argparse.Namespace) -> 
     with tempfile.TemporaryDirectory() as tmp:
         measured_file = Path(tmp) / "measured.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
-               "-m", "fsdp_strategy.testing.peak_runs", "--configs", ",".join(configs), "--model-args",
+               "-m", "testkit.peak_runs", "--configs", ",".join(configs), "--model-args",
                json.dumps(model_args), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
                "--out", str(measured_file)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, stdout=subprocess.DEVNULL)
         return json.loads(measured_file.read_text())
 
 

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     """
     import lightning as L
     import fsdp_strategy
-    from fsdp_strategy.testing.models import TinyLM, token_loader
+    from testkit.models import TinyLM, token_loader
 
     if __name__ == "__main__":
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="fsdp2", max_steps=4, logger=False,

@@ -25,7 +25,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
-IMPORTS = "import fsdp_strategy.cli, fsdp_strategy.export, fsdp_strategy.consolidate, safetensors, huggingface_hub"
+IMPORTS = "import fsdp_strategy.tools.cli, fsdp_strategy.tools.export, fsdp_strategy.tools.consolidate, safetensors, huggingface_hub"
 
 
 def create(directory: str) -> None:
@@ -35,9 +35,9 @@ def create(directory: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_strategy import checkpoint as ckpt
-    from fsdp_strategy import rendezvous
-    from fsdp_strategy.mesh import build_device_mesh
+    from fsdp_strategy.checkpoint import io as ckpt
+    from fsdp_strategy.launch import rendezvous
+    from fsdp_strategy.sharding.mesh import build_device_mesh
 
     dist.init_process_group("gloo")
     rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)

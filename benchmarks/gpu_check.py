@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
-from fsdp_strategy.benchmark.gpt import GPT, GPT_SIZES
+from fsdp_strategy.tools.benchmark.gpt import GPT, GPT_SIZES
 
 SEED = 0
 
@@ -138,7 +138,9 @@ def gpt_flops_per_token(params: int, n_layer: int, n_embd: int, seq_len: int) ->
 def peak_flops(device: str) -> float | None:
     if device != "cuda":
         return None
-    from fsdp_strategy.monitor.flops import peak_flops_per_device  # the datasheet table ShardingMonitor uses
+    from fsdp_strategy.monitor.flops import (
+        peak_flops_per_device,  # the datasheet table ShardingMonitor uses
+    )
 
     return peak_flops_per_device(torch.device("cuda", 0), "bf16-mixed", None)
 

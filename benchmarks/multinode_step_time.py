@@ -33,7 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_strategy.testing import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # testkit/, beside the package
+
+from testkit import free_port
 
 HERE = Path(__file__).resolve().parent
 STRATEGIES = ("fsdp2", "fsdp2_hybrid")
@@ -75,11 +77,10 @@ def time_one_fit(strategy: str, args: argparse.Namespace) -> dict:
     import lightning as L
     import torch
     import torch.distributed as dist
-
-    import fsdp_strategy  # noqa: F401  (registers the strategy names)
-
     from _model import MODEL_SOURCE, build_model
     from step_time import StepClock, model_kwargs, token_loader, total_steps
+
+    import fsdp_strategy  # noqa: F401  (registers the strategy names)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     clock = StepClock()
@@ -206,8 +207,8 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
-    import torch
     import lightning
+    import torch
 
     pairs = []
     for job in range(args.jobs):

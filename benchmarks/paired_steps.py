@@ -8,7 +8,7 @@ of percent. Here one process pair runs both sides, interleaved step by step, so 
 a pair:
 
 * the Lightning side: ``Trainer(strategy=...).fit(model)`` (``fsdp2``, or ``model_parallel`` with the
-  hand-written ``configure_model`` of ``fsdp_strategy/benchmark/worker.py``);
+  hand-written ``configure_model`` of ``fsdp_strategy/tools/benchmark/worker.py``);
 * the raw side: a second copy of the model (same initial weights, same data, same AdamW), sharded by hand like the
   benchmark's ``raw_fsdp2`` (each block, then the model) and trained by a plain loop, one step of which runs
   inside a Callback during every Lightning step: at ``on_train_batch_start`` on even steps, at
@@ -32,8 +32,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.benchmark.gpt import GPT
-from fsdp_strategy.benchmark.worker import benchmark_class, make_optimizer, next_token_loss, shard_by_hand, token_loader
+from fsdp_strategy.tools.benchmark.gpt import GPT
+from fsdp_strategy.tools.benchmark.worker import (
+    benchmark_class,
+    make_optimizer,
+    next_token_loss,
+    shard_by_hand,
+    token_loader,
+)
 
 
 def main() -> None:
@@ -126,7 +132,7 @@ def main() -> None:
     if rank == 0:
         record = {
             "strategy": args.strategy,
-            "model_source": "fsdp_strategy.benchmark.gpt:GPT",
+            "model_source": "fsdp_strategy.tools.benchmark.gpt:GPT",
             "median_lightning_ms": 1e3 * statistics.median(lightning),
             "median_raw_ms": 1e3 * statistics.median(raw),
             "median_step_ratio": statistics.median(ratios),

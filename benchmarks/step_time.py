@@ -1,7 +1,7 @@
 """Step timing shared by the scripts in ``benchmarks/`` (``multinode_step_time.py``, ``paired_steps.py``).
 
 The side-by-side step-time comparison of ``fsdp2``, a raw FSDP2 loop and ``ModelParallelStrategy`` that used to
-live here is ``fsdp-strategy benchmark`` now (``fsdp_strategy/benchmark/``, results in ``docs/benchmarks.md``);
+live here is ``fsdp-strategy benchmark`` now (``fsdp_strategy/tools/benchmark/``, results in ``docs/benchmarks.md``);
 the batches come from there too.
 """
 
@@ -11,8 +11,8 @@ import argparse
 import statistics
 import time
 
-from fsdp_strategy.benchmark.worker import batches_per_run as total_steps
-from fsdp_strategy.benchmark.worker import token_loader
+from fsdp_strategy.tools.benchmark.worker import batches_per_run as total_steps
+from fsdp_strategy.tools.benchmark.worker import token_loader
 
 __all__ = ["StepClock", "model_kwargs", "token_loader", "total_steps"]
 

@@ -6,9 +6,9 @@
 Two copies of the benchmark's GPT (same initial weights, same batches, AdamW), each sharded as the
 strategy shards it (each block, then the root, which stays gathered after forward), train side by side,
 as two of (``--sides A,B``, default ``plain,tracked``): ``plain``, FSDP2 alone; ``tracked``, with
-:class:`fsdp_strategy.unused.UnusedParameters` (zero-filled reduce-scatter, a hook on every unsharded
+:class:`fsdp_strategy.step.unused.UnusedParameters` (zero-filled reduce-scatter, a hook on every unsharded
 parameter, one all-reduce of the used-record per step, not waited for when every parameter was used);
-``checked``, that and :class:`fsdp_strategy.unit_order.UnitOrder` (a forward pre-hook on each block, the
+``checked``, that and :class:`fsdp_strategy.step.unit_order.UnitOrder` (a forward pre-hook on each block, the
 digest in the same all-reduce, which every rank then waits for), as the strategy runs them. Their steps
 alternate, each pair in the other order than the one before, so a change in the machine's load falls on
 both sides of a pair. Prints, for wall time and for rank 0's CPU time (``time.process_time()``, all
@@ -29,12 +29,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_strategy import rendezvous
-from fsdp_strategy.benchmark.gpt import GPT
-from fsdp_strategy.benchmark.worker import make_optimizer, next_token_loss, token_loader
-from fsdp_strategy.policy import normalize_policy, select_modules
-from fsdp_strategy.unit_order import UnitOrder
-from fsdp_strategy.unused import UnusedParameters
+from fsdp_strategy.launch import rendezvous
+from fsdp_strategy.sharding.policy import normalize_policy, select_modules
+from fsdp_strategy.step.unit_order import UnitOrder
+from fsdp_strategy.step.unused import UnusedParameters
+from fsdp_strategy.tools.benchmark.gpt import GPT
+from fsdp_strategy.tools.benchmark.worker import (
+    make_optimizer,
+    next_token_loss,
+    token_loader,
+)
 
 
 def shard(model: torch.nn.Module, mesh) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ std::terminate aborts the process.
 
 Workarounds measured on the same 40 launches: an exit handler that sleeps 50 ms (`atexit.register(time.sleep,
 0.05)`), which lets the worker take the GIL before finalization: 0 of 40 aborted; `dist.destroy_process_group()` in
-an exit handler: 0 of 40. FSDP2Strategy registers the first (`fsdp_strategy.rendezvous.finish_collectives_at_exit`).
+an exit handler: 0 of 40. FSDP2Strategy registers the first (`fsdp_strategy.launch.rendezvous.finish_collectives_at_exit`).
 """
 import sys
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 if "--with-workaround" in sys.argv:  # what FSDP2Strategy does (integration_tests/test_exit_status.py launches this)
-    from fsdp_strategy import rendezvous
+    from fsdp_strategy.launch import rendezvous
 
     rendezvous.finish_collectives_at_exit()
 for _ in range(20):

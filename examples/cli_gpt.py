@@ -24,10 +24,10 @@ On GPUs add ``--trainer.accelerator=gpu --trainer.devices=-1``. The data's ``blo
 (set it with ``--data.block_size``).
 """
 
+from gpt import GPT, ByteTextDataModule
 from lightning.pytorch.cli import LightningCLI
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
-from gpt import GPT, ByteTextDataModule
 
 
 class GPTCLI(LightningCLI):

@@ -1,7 +1,7 @@
 """A small GPT-style (decoder-only) language model and a byte-level text datamodule.
 
 ``GPT`` is a plain LightningModule: nothing in it knows about ``fsdp_strategy``, and the same module trains with
-``strategy="ddp"`` or ``strategy="fsdp2"``. It is defined in ``fsdp_strategy/benchmark/gpt.py`` (the model that
+``strategy="ddp"`` or ``strategy="fsdp2"``. It is defined in ``fsdp_strategy/tools/benchmark/gpt.py`` (the model that
 ``fsdp-strategy benchmark`` runs by default) and re-exported here; read that file for how it is written so that
 sharding works well (blocks in an ``nn.ModuleList``, ``reset_parameters()`` everywhere, a tied output head).
 
@@ -16,7 +16,15 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fsdp_strategy.benchmark.gpt import GPT, GPT_SIZES, MLP, Block, CausalSelfAttention, Embedding, Linear
+from fsdp_strategy.tools.benchmark.gpt import (
+    GPT,
+    GPT_SIZES,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    Embedding,
+    Linear,
+)
 
 __all__ = [
     "GPT",

@@ -18,12 +18,12 @@ import time
 
 import lightning as L
 import torch
+from gpt import GPT, ByteTextDataModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 import fsdp_strategy  # registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload"
 from fsdp_strategy import ShardingMonitor
-from gpt import GPT, ByteTextDataModule
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,19 +6,19 @@ Importing this package registers the strategy names ``"fsdp2"``, ``"fsdp2_grad_o
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from fsdp_strategy.consolidate import consolidate_checkpoint
-from fsdp_strategy.export import export_safetensors
-from fsdp_strategy.estimate import Estimate, estimate_module
-from fsdp_strategy.estimate_report import estimate
-from fsdp_strategy.guard import NonFiniteGradientError
-from fsdp_strategy.checkpoint_error import CheckpointError
+from fsdp_strategy.checkpoint.errors import CheckpointError
+from fsdp_strategy.checkpoint.saving import CheckpointSaveError
+from fsdp_strategy.estimator.model_state import Estimate, estimate_module
+from fsdp_strategy.estimator.report import estimate
+from fsdp_strategy.launch.rendezvous import PeerLostError
 from fsdp_strategy.monitor import ShardingMonitor
-from fsdp_strategy.policy import PolicyInput
-from fsdp_strategy.precision import SUPPORTED_PRECISIONS
-from fsdp_strategy.rendezvous import PeerLostError
-from fsdp_strategy.saving import CheckpointSaveError
+from fsdp_strategy.sharding.policy import PolicyInput
+from fsdp_strategy.sharding.precision import SUPPORTED_PRECISIONS
+from fsdp_strategy.step.guard import NonFiniteGradientError
+from fsdp_strategy.step.unit_order import UnitMismatchError
 from fsdp_strategy.strategy import FSDP2Strategy
-from fsdp_strategy.unit_order import UnitMismatchError
+from fsdp_strategy.tools.consolidate import consolidate_checkpoint
+from fsdp_strategy.tools.export import export_safetensors
 
 __all__ = [
     "SUPPORTED_PRECISIONS",

@@ -1,3 +1,3 @@
-from fsdp_strategy.cli import main
+from fsdp_strategy.tools.cli import main
 
 raise SystemExit(main())

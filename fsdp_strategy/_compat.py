@@ -5,7 +5,7 @@ Everything else in the package uses public torch and Lightning APIs. When one of
 or Lightning release, this is the one file to adapt; ``.ci/torch_matrix`` runs the tests on the oldest and the
 newest supported torch. One more private Lightning name is not here because it is a method the package overrides
 rather than calls: ``Precision._after_closure`` and ``Precision._clip_gradients`` (Lightning 2.0 to 2.6.6), in
-``fsdp_strategy.precision``, which run ``on_before_optimizer_step`` with whole parameters and clip after it.
+``fsdp_strategy.sharding.precision``, which run ``on_before_optimizer_step`` with whole parameters and clip after it.
 """
 
 from __future__ import annotations
@@ -48,17 +48,16 @@ disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 # pytree flattens (args, kwargs) of a dispatched op; torch.utils._pytree is how torch's own tensor
 # subclasses do it (torch >= 2.0). Its public twin torch.utils.pytree exists only from torch 2.5 on and
 # does not cover every version this package supports.
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
-
-# A mode that sees every aten op, the outputs' storages included, is how memory is counted tensor by tensor
-# (fsdp_strategy.live_tensors). torch's own FlopCounterMode and MemTracker subclass this class; it has lived in
-# torch.utils._python_dispatch since torch 1.13, with no public spelling.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 # Fake tensors carry shapes, dtypes and a device but no memory: the estimator runs a training step on them to
-# see which tensors a real step would hold (fsdp_strategy.estimate_peak). FakeTensorMode is what torch.compile
+# see which tensors a real step would hold (fsdp_strategy.estimator.peak). FakeTensorMode is what torch.compile
 # and torch's memory tools use for that; it lives in torch._subclasses (torch >= 2.0), with no public spelling.
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+
+# A mode that sees every aten op, the outputs' storages included, is how memory is counted tensor by tensor
+# (fsdp_strategy.estimator.live_tensors). torch's own FlopCounterMode and MemTracker subclass this class; it has lived in
+# torch.utils._python_dispatch since torch 1.13, with no public spelling.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
 
 def is_fake(value: Any) -> bool:
@@ -108,7 +107,7 @@ def forget_composable_state(module: nn.Module) -> None:
     torch keeps a global ``WeakKeyDictionary`` from each module to its composable-API state
     (``torch.distributed._composable_state._module_state_mapping``, torch >= 2.1) and refuses to shard a
     module found there ("Inserting ... more than once"). After ``fit`` the strategy gives the user back
-    the plain module (see :mod:`fsdp_strategy.gather`); ``trainer.test(model)`` then shards it again.
+    the plain module (see :mod:`fsdp_strategy.sharding.unshard`); ``trainer.test(model)`` then shards it again.
     """
     from torch.distributed import _composable_state
 
@@ -123,13 +122,12 @@ get_layout = torch.serialization._get_layout
 
 # Lightning's launcher that starts the other local ranks by re-running the script (what "ddp" uses; torch >= 1.x,
 # Lightning >= 2.0). No public class launches processes for a custom ParallelStrategy.
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
-    _SubprocessScriptLauncher as ScriptLauncher,
-)
-
 # `Strategy.reduce` must reduce exactly as DDPStrategy.reduce does ("mean" and the other string ops, groups);
 # Lightning implements that in this helper (Lightning >= 2.0), which DDPStrategy itself calls.
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp  # noqa: E402
+from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
+    _SubprocessScriptLauncher as ScriptLauncher,
+)
 
 # DCP's storage reader and writer over fsspec (s3://, gs://, memory://, ...). torch ships them in
 # torch.distributed.checkpoint._fsspec_filesystem (torch >= 2.1, documented there); torch 2.13 no longer
@@ -190,7 +188,7 @@ def _param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
-# The collectives FSDP2 runs by default, for custom ones (fsdp_strategy.comm_buffers). torch 2.13 renamed
+# The collectives FSDP2 runs by default, for custom ones (fsdp_strategy.step.comm_pool). torch 2.13 renamed
 # all_gather_into_tensor and reduce_scatter_tensor to *_single and deprecated the old names, which older
 # releases have alone.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

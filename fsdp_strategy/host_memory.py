@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["HOST_MEMORY_MODES", "HeapStats", "heap_stats", "release", "supported"]
+__all__ = ["HOST_MEMORY_MODES", "HeapStats", "available", "heap_stats", "release", "supported"]
 
 # "keep": leave the allocator alone. "release": hand free heap pages back after sharding (the eager full model
 # freed) and at each phase end of a training step: after forward, after backward, after the optimizer step.
@@ -77,3 +78,17 @@ def heap_stats() -> HeapStats | None:
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
     return HeapStats(heap_bytes=info.arena, free_bytes=info.fordblks, mmapped_bytes=info.hblkhd)
+
+
+def available() -> int | None:
+    """``MemAvailable`` of this host in bytes (Linux), ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_strategy import storage
-from fsdp_strategy.checks import check_positive_int
+from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.host_memory import HOST_MEMORY_MODES
-from fsdp_strategy.policy import ModulePolicy, PolicyInput, normalize_policy
+from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
 __all__ = ["HOOK_VIEWS", "STATE_DICT_TYPES", "Options", "check_options"]
 

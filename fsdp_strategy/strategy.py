@@ -28,29 +28,27 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import (
-    averaging,
-    background,
-    comm_buffers,
-    hook_view,
-    host_memory,
-    pruning,
-    rendezvous,
-    saving,
-    storage,
-    unit_order,
-    unused,
-    verify,
+from fsdp_strategy import host_memory
+from fsdp_strategy._compat import (
+    reduce_root_gradients_after,
+    reset_iter_state,
+    sync_ddp,
 )
-from fsdp_strategy._compat import reduce_root_gradients_after, reset_iter_state, sync_ddp
-from fsdp_strategy.buffers import BufferSync, check_sync_batchnorm, sync_module_states
-from fsdp_strategy.checkpoint_error import CheckpointError
-from fsdp_strategy.guard import NonFiniteGuard
-from fsdp_strategy.last_checkpoint import ResumingLauncher
-from fsdp_strategy.mesh import build_device_mesh, resolve_mesh_shape
+from fsdp_strategy.checkpoint import background, saving, storage, verify
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint.errors import CheckpointError
+from fsdp_strategy.launch import rendezvous
+from fsdp_strategy.launch.resume_last import ResumingLauncher
 from fsdp_strategy.options import check_options
-from fsdp_strategy.parallelize import (
+from fsdp_strategy.sharding import pruning
+from fsdp_strategy.sharding.deferred_init import (
+    deferred_init,
+    has_meta_tensors,
+    materialize,
+    records_by_name,
+)
+from fsdp_strategy.sharding.mesh import build_device_mesh, resolve_mesh_shape
+from fsdp_strategy.sharding.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fully_shard,
@@ -58,17 +56,8 @@ from fsdp_strategy.parallelize import (
     plan_units,
     reshard_units,
 )
-from fsdp_strategy.deferred_init import deferred_init, has_meta_tensors, materialize, records_by_name
-from fsdp_strategy.gather import (
-    ShardingSnapshot,
-    all_ranks_agree,
-    full_state_bytes,
-    gathered_parameters,
-    host_memory_available,
-    unshard,
-)
-from fsdp_strategy.policy import PolicyInput, class_name, select_modules
-from fsdp_strategy.precision import (
+from fsdp_strategy.sharding.policy import PolicyInput, class_name, select_modules
+from fsdp_strategy.sharding.precision import (
     SUPPORTED_PRECISIONS,
     FSDP2HalfPrecision,
     FSDP2MixedPrecision,
@@ -76,7 +65,20 @@ from fsdp_strategy.precision import (
     mixed_precision_policy,
     precision_plugin_for,
 )
+from fsdp_strategy.sharding.unshard import (
+    ShardingSnapshot,
+    full_state_bytes,
+    gathered_parameters,
+    unshard,
+)
 from fsdp_strategy.sizes import format_bytes
+from fsdp_strategy.step import averaging, comm_pool, hook_view, unit_order, unused
+from fsdp_strategy.step.buffer_sync import (
+    BufferSync,
+    check_sync_batchnorm,
+    sync_module_states,
+)
+from fsdp_strategy.step.guard import NonFiniteGuard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -117,7 +119,7 @@ class FSDP2Strategy(ParallelStrategy):
     per micro-batch, then the LightningModule itself becomes the root unit.
 
     Args:
-        wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.policy`):
+        wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.sharding.policy`):
             ``"auto"`` (repeated blocks), class names, module classes, a ``(name, module) -> bool``
             callable, a minimum parameter count, or ``None`` for no blocks (one group holding everything).
         activation_checkpointing_policy: modules whose activations are recomputed in backward, in the
@@ -251,7 +253,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._unit_order: unit_order.UnitOrder | None = None
         self._averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self._buffer_sync: BufferSync | None = None
-        self._comm_buffers: comm_buffers.BufferPool | None = None
+        self._comm_buffers: comm_pool.BufferPool | None = None
         self._host_group: Any = None
         self._membership: rendezvous.Membership | None = None
         self._peer_lost = False
@@ -546,9 +548,9 @@ class FSDP2Strategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             free: int | None = torch.cuda.mem_get_info(self.root_device)[0]
         else:
-            available = host_memory_available()
+            available = host_memory.available()
             free = None if available is None else available // self.num_processes
-        if not all_ranks_agree(free is None or needed <= free // 2, self.root_device):
+        if not rendezvous.all_ranks_agree(free is None or needed <= free // 2, self.root_device):
             raise ValueError(
                 f"{', '.join(readers)} overrides `on_before_optimizer_step`, which FSDP2Strategy(hook_view='whole')"
                 f" shows whole parameters and gradients, as DDP does: {format_bytes(needed)} on each rank, more than"
@@ -577,7 +579,7 @@ class FSDP2Strategy(ParallelStrategy):
         # state in host memory with room to spare; Distributed Checkpoint directories beyond that.
         params = {id(p): p for p in model.parameters()}.values()
         estimate = 3 * sum(p.numel() * p.element_size() for p in params)  # weights + two optimizer states
-        available = host_memory_available() if self.is_global_zero else None
+        available = host_memory.available() if self.is_global_zero else None
         chosen = self.broadcast("full" if available is None or estimate <= available // 4 else "sharded")
         rank_zero_info(
             f"{type(self).__name__}: checkpoints are {'single files' if chosen == 'full' else 'sharded directories'}"
@@ -611,7 +613,7 @@ class FSDP2Strategy(ParallelStrategy):
             # Blocks only: they gather every micro-batch; a pooled buffer of the groups kept from forward to
             # backward (the embedding's with them) would stay allocated through the peak for nothing.
             blocks = [unit.module for unit in units if unit.reshard_after_forward is None and len(unit.modules) == 1]
-            self._comm_buffers = comm_buffers.reuse_buffers(blocks, shards=self.device_mesh.size(-1))
+            self._comm_buffers = comm_pool.reuse_buffers(blocks, shards=self.device_mesh.size(-1))
         self._before_sharding.enable_copies(model)
         self._before_sharding.added()
         self._load_hooks = load_full_tensors_into_shards(model)
@@ -856,7 +858,7 @@ class FSDP2Strategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
         """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
         crash or a failed write leaves the previous checkpoints intact; a failure on any rank raises
-        :class:`~fsdp_strategy.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
+        :class:`~fsdp_strategy.checkpoint.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
         runs in the background and the next save (or load, or the end of the stage) waits for it.
         Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
         sharded = self._writes_sharded_checkpoints()
@@ -1068,14 +1070,14 @@ class FSDP2Strategy(ParallelStrategy):
 
     def _give_back_plain_module(self) -> None:
         """After a stage that ended normally, the module the user passed in is plain again, as DDP leaves it:
-        full parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`fsdp_strategy.gather`)."""
+        full parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`fsdp_strategy.sharding.unshard`)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if not isinstance(self.model, FSDPModule) or self._before_sharding is None or trainer is None or trainer.interrupted:
             return
         optimizers = self._sharded_optimizers()
         needed = full_state_bytes(self.model, []) * self.num_processes  # the optimizer states stay sharded
-        available = host_memory_available()
-        if not all_ranks_agree(available is None or needed <= available // 2, self.root_device):
+        available = host_memory.available()
+        if not rendezvous.all_ranks_agree(available is None or needed <= available // 2, self.root_device):
             rank_zero_info(
                 f"{type(self).__name__}: the module stays sharded after this stage: its full parameters"
                 f" ({format_bytes(needed)} for the {self.num_processes} processes of a node) do not fit in half of"

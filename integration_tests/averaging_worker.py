@@ -21,14 +21,18 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, WeightAveraging
+from lightning.pytorch.callbacks import (
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    WeightAveraging,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_strategy
 from fsdp_strategy._compat import averaged_model_of
-from fsdp_strategy.testing.dropin import TinyCNN, image_loader
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.dropin import TinyCNN, image_loader
+from testkit.models import TinyLM, token_loader
 
 
 def make_strategy(run: str) -> Any:

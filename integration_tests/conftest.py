@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_strategy.testing import free_port
+from testkit import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fsdp_strategy
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.checkpoint import io as ckpt
+from testkit.models import TinyLM, token_loader
 
 
 def die_in_save(k: int) -> None:

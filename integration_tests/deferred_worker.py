@@ -16,8 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_strategy import rendezvous
-from fsdp_strategy.deferred_init import deferred_init, materialize, records_by_name
+from fsdp_strategy.launch import rendezvous
+from fsdp_strategy.sharding.deferred_init import (
+    deferred_init,
+    materialize,
+    records_by_name,
+)
 
 CPU = torch.device("cpu")
 

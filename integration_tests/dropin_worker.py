@@ -34,11 +34,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
-from fsdp_strategy.testing.dropin import (
+from testkit.dropin import (
     ExpertsLM,
     ManualCNN,
     TinyCNN,

@@ -14,8 +14,8 @@ import lightning as L
 import torch
 
 import fsdp_strategy
-from fsdp_strategy.testing.hf import TinyLlama
-from fsdp_strategy.testing.models import token_loader
+from testkit.hf import TinyLlama
+from testkit.models import token_loader
 
 
 def main() -> None:

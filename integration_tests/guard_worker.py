@@ -14,12 +14,15 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy.testing.callbacks import DropGradsAt
-from fsdp_strategy.testing.models import PoisonedLM, token_loader
+from testkit.callbacks import DropGradsAt
+from testkit.models import PoisonedLM, token_loader
 
 
 def train(run: str, devices: int, poison_step: int, max_steps: int) -> dict:

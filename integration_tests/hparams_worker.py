@@ -24,11 +24,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.base import ContainerMetadata, Metadata
 from omegaconf.nodes import AnyNode
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 
 class Mode(enum.Enum):

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy import rendezvous
-from fsdp_strategy import strategy as strategy_module
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy import host_memory
+from fsdp_strategy.launch import rendezvous
+from testkit.models import TinyLM, token_loader
 
 
 class StagedLM(TinyLM):
@@ -83,12 +83,12 @@ def run(strategy: str, kind: str) -> dict[str, Any]:
         except RuntimeError as error:
             result["error"] = str(error)
     elif kind == "left_sharded":
-        available = strategy_module.host_memory_available
-        strategy_module.host_memory_available = lambda: 0  # nothing free: the module cannot be gathered
+        available = host_memory.available
+        host_memory.available = lambda: 0  # nothing free: the module cannot be gathered
         try:
             run_trainer.fit(model, data)
         finally:
-            strategy_module.host_memory_available = available
+            host_memory.available = available
         result["sharded_after_fit"] = any(isinstance(p, DTensor) for p in model.parameters())
     else:
         run_trainer.fit(model, data)

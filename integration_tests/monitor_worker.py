@@ -12,7 +12,7 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
 from fsdp_strategy import ShardingMonitor
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 
 def train(strategy: str, devices: int, max_steps: int, out_dir: Path) -> tuple[dict, int]:

@@ -22,13 +22,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
-from fsdp_strategy.testing.models import TinyLM, token_dataset
 from integration_tests.worker import Recorder, padded_share_bytes
+from testkit.models import TinyLM, token_dataset
 
 SAMPLES, BATCH_SIZE, EPOCHS = 48, 4, 2  # 3 steps per epoch on 4 ranks
 

@@ -22,12 +22,15 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.utils.data import DataLoader
 
 import fsdp_strategy
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.testing.models import TinyLM, token_dataset
+from fsdp_strategy.checkpoint import io as ckpt
+from testkit.models import TinyLM, token_dataset
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 

@@ -29,13 +29,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy.testing.callbacks import RecordingIO
-from fsdp_strategy.testing.faults import Disk
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.callbacks import RecordingIO
+from testkit.faults import Disk
+from testkit.models import TinyLM, token_loader
 
 
 class Module(TinyLM):

@@ -3,7 +3,7 @@
 The test launches this file as a torchrun module. Each rank trains ``OddLM`` for a few steps per
 configuration and measures
 
-* its parameters, gradients and optimizer state (``fsdp_strategy.state_bytes.model_state_bytes``,
+* its parameters, gradients and optimizer state (``fsdp_strategy.estimator.state_bytes.model_state_bytes``,
   without the step counters the estimator leaves out) just before the last optimizer step, when all
   three exist, and the estimate of the live, already sharded model;
 * under fsdp2, the bytes that FSDP2's all-gathers and reduce-scatters move during the first
@@ -28,10 +28,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_strategy
-from fsdp_strategy.estimate import estimate_module
-from fsdp_strategy.state_bytes import model_state_bytes
+from fsdp_strategy.estimator.model_state import estimate_module
+from fsdp_strategy.estimator.state_bytes import model_state_bytes
 from integration_tests.conftest import torchrun
-from fsdp_strategy.testing.models import VOCAB, WIDTH, TinyLM, token_loader
+from testkit.models import VOCAB, WIDTH, TinyLM, token_loader
 
 
 class OddLM(TinyLM):

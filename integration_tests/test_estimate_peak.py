@@ -1,6 +1,6 @@
 """The estimator's step peak against the live-tensor peak of real 2- and 4-rank CPU training.
 
-One torchrun launch per world size trains a small benchmark GPT (``fsdp_strategy.testing.peak_runs``) for two
+One torchrun launch per world size trains a small benchmark GPT (``testkit.peak_runs``) for two
 optimizer steps per configuration, configurations one after another in the same processes, and every rank's
 ``ShardingMonitor`` counts its live tensors. Each configuration's prediction by ``fsdp_strategy.estimate`` on the
 meta device must be within 10% of the largest rank's peak (the issue's target; the figures on the benchmark's
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_strategy.benchmark.gpt import GPT
-from fsdp_strategy.estimate_report import estimate
-from fsdp_strategy.testing.peak_runs import parse_config
+from fsdp_strategy.estimator.report import estimate
+from fsdp_strategy.tools.benchmark.gpt import GPT
 from integration_tests.conftest import torchrun
+from testkit.peak_runs import parse_config
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
 BATCH, SEQ = 16, 32
@@ -43,7 +43,7 @@ def test_predicted_step_peak_is_within_ten_percent_of_the_live_tensor_peak(tmp_p
     out = tmp_path / "peaks.json"
     args = ["--configs", ",".join(configs), "--model-args", json.dumps(MODEL), "--batch-size", str(BATCH),
             "--seq-len", str(SEQ), "--out", str(out)]
-    torchrun("fsdp_strategy.testing.peak_runs", args, nproc=world_size, cwd=tmp_path)
+    torchrun("testkit.peak_runs", args, nproc=world_size, cwd=tmp_path)
     measured = json.loads(out.read_text())
     errors = {}
     for config in configs:

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from integration_tests.conftest import _environment, _run, max_relative_difference, torchrun
+from integration_tests.conftest import (
+    _environment,
+    _run,
+    max_relative_difference,
+    torchrun,
+)
 
 FROZEN = ["frozen", "tied_frozen", "lora"]
 AGAINST_DDP = [*FROZEN, "copies", "grad_norm", "save_every_step", "save_before_step"]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_strategy.testing import free_port
 from integration_tests.conftest import REPO, max_relative_difference, torchrun
+from testkit import free_port
 
 
 def test_skip_skips_the_step_on_every_rank_as_a_run_that_drops_it(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from integration_tests.conftest import max_relative_difference, torchrun
 
 UNPICKLING_ERROR = "_pickle.UnpicklingError"
-CHECKPOINT_ERROR = "fsdp_strategy.checkpoint_error.CheckpointError"
+CHECKPOINT_ERROR = "fsdp_strategy.checkpoint.errors.CheckpointError"
 
 
 def test_object_hyper_parameters_save_resume_and_consolidate_as_under_ddp(tmp_path: Path) -> None:

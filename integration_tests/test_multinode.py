@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from integration_tests.conftest import lightning_nodes, max_relative_difference, run_nodes, torchrun_nodes
+from integration_tests.conftest import (
+    lightning_nodes,
+    max_relative_difference,
+    run_nodes,
+    torchrun_nodes,
+)
 from integration_tests.multinode_worker import BATCH_SIZE, EPOCHS, SAMPLES
 
 NODES, DEVICES = 2, 2

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from fsdp_strategy import verify
-from fsdp_strategy.testing import free_port
+from fsdp_strategy.checkpoint import verify
 from integration_tests.conftest import _environment, max_relative_difference, torchrun
+from testkit import free_port
 
 WORKER = "integration_tests.recovery_worker"
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_strategy import consolidate_checkpoint, storage, verify
-from fsdp_strategy.testing.s3 import s3_server
+from fsdp_strategy import consolidate_checkpoint
+from fsdp_strategy.checkpoint import storage, verify
 from integration_tests.conftest import max_relative_difference, torchrun
+from testkit.s3 import s3_server
 
 WORKER = "integration_tests.recovery_worker"
 

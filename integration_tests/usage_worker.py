@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_strategy
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 STEPS = 4
 

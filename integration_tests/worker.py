@@ -14,12 +14,15 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy.state_bytes import model_state_bytes
-from fsdp_strategy.testing.models import TinyGAN, TinyLM, token_loader
+from fsdp_strategy.estimator.state_bytes import model_state_bytes
+from testkit.models import TinyGAN, TinyLM, token_loader
 
 
 class Recorder(L.Callback):

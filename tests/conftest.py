@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.testing import free_port
-
+from testkit import free_port
 
 # Environment variables that Lightning's launcher writes into os.environ. A LOCAL_RANK left behind by
 # one in-process Trainer would make the next one believe that its processes were launched externally.
@@ -59,7 +58,7 @@ def single_rank_group() -> Iterator[dist.ProcessGroup]:
 @pytest.fixture
 def mesh(single_rank_group: dist.ProcessGroup):
     """The 1-D ``("dp_shard",)`` mesh over the single rank, as the strategy builds it."""
-    from fsdp_strategy.mesh import build_device_mesh
+    from fsdp_strategy.sharding.mesh import build_device_mesh
 
     return build_device_mesh("cpu", 1, 1)
 

@@ -1,4 +1,4 @@
-"""fsdp_strategy.averaging on a real 1-rank gloo group: Lightning's WeightAveraging with its copy sharded like the module."""
+"""fsdp_strategy.step.averaging on a real 1-rank gloo group: Lightning's WeightAveraging with its copy sharded like the module."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy._compat import averaged_model_of
-from fsdp_strategy.averaging import shard_like, unshard
-from fsdp_strategy.checkpoint import gather_dtensors, split_checkpoint
-from fsdp_strategy.testing import full
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.checkpoint.io import gather_dtensors, split_checkpoint
+from fsdp_strategy.step.averaging import shard_like, unshard
+from testkit import full
+from testkit.models import TinyLM, token_loader
 
 
 def sharded_model_and_average(mesh, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, AveragedModel]:

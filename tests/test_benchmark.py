@@ -10,10 +10,24 @@ from pathlib import Path
 
 import pytest
 
-import fsdp_strategy.benchmark
-from fsdp_strategy.benchmark.report import CSV_FIELDS, format_table, plot, summarize, write_csv, write_json
-from fsdp_strategy.benchmark.run import Job, interleaved_jobs, parse_strategies, require_extras, run_benchmark, validate
-from fsdp_strategy.cli import main
+import fsdp_strategy.tools.benchmark
+from fsdp_strategy.tools.benchmark.report import (
+    CSV_FIELDS,
+    format_table,
+    plot,
+    summarize,
+    write_csv,
+    write_json,
+)
+from fsdp_strategy.tools.benchmark.run import (
+    Job,
+    interleaved_jobs,
+    parse_strategies,
+    require_extras,
+    run_benchmark,
+    validate,
+)
+from fsdp_strategy.tools.cli import main
 
 GOOD = dict(model=None, init_args=None, size=None, strategies=["ddp", "fsdp2"], world_sizes=[2],
             precision="32-true", steps=2, warmup=1, repeats=1, batch_size=2, seq_len=16, vocab_size=256)
@@ -49,7 +63,7 @@ def test_bad_options_are_named_with_the_value_and_what_is_accepted(changes, mess
 
 def test_a_size_becomes_the_example_gpt_with_the_sequence_length_as_block_size():
     assert check(size="tiny") == (
-        "fsdp_strategy.benchmark.gpt:GPT",
+        "fsdp_strategy.tools.benchmark.gpt:GPT",
         {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, "block_size": 16},
     )
     assert check(model="my.models:Net", init_args={"width": 3}) == ("my.models:Net", {"width": 3})
@@ -67,9 +81,9 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_the_launcher_and_the_worker_do_not_import_each_other():
     # The launcher starts the worker by module name in fresh processes; what both need is in options.py.
-    package = Path(fsdp_strategy.benchmark.__file__).parent
-    assert "fsdp_strategy.benchmark.worker" not in imported_modules(package / "run.py")
-    assert "fsdp_strategy.benchmark.run" not in imported_modules(package / "worker.py")
+    package = Path(fsdp_strategy.tools.benchmark.__file__).parent
+    assert "fsdp_strategy.tools.benchmark.worker" not in imported_modules(package / "run.py")
+    assert "fsdp_strategy.tools.benchmark.run" not in imported_modules(package / "worker.py")
 
 
 def test_a_missing_extra_names_the_module_and_the_install_command():
@@ -194,7 +208,7 @@ def test_a_tiny_run_of_two_strategies_on_two_ranks(tmp_path, capsys, monkeypatch
 
 
 def test_variants_carry_strategy_options_and_meta_init():
-    from fsdp_strategy.benchmark.options import Variant, parse_variant
+    from fsdp_strategy.tools.benchmark.options import Variant, parse_variant
 
     assert parse_variant("fsdp2:host_memory=release:init=meta") == Variant("fsdp2", {"host_memory": "release"}, "meta")
     assert parse_variant("fsdp2_grad_op:reshard_after_forward=2") == Variant("fsdp2_grad_op", {"reshard_after_forward": 2})

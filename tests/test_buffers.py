@@ -1,4 +1,4 @@
-"""Module state across ranks (``fsdp_strategy.buffers``) on a real 1-rank gloo group.
+"""Module state across ranks (``fsdp_strategy.step.buffer_sync``) on a real 1-rank gloo group.
 
 Collectives are counted with ``CommDebugMode``, which sees every c10d call. Values across ranks are
 compared with DDP in ``integration_tests/test_dropin.py``.
@@ -13,14 +13,14 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_strategy.buffers import (
+from fsdp_strategy.step.buffer_sync import (
     BufferSync,
     broadcast_tensors,
     check_sync_batchnorm,
     module_buffers,
     sync_module_states,
 )
-from fsdp_strategy.testing.dropin import RunningScale, TinyCNN, TinyMoE, image_loader, token_loader
+from testkit.dropin import RunningScale, TinyCNN, TinyMoE, image_loader, token_loader
 
 BROADCAST = torch.ops.c10d.broadcast_
 

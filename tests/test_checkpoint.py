@@ -9,11 +9,16 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.parallelize import apply_fully_shard, load_full_tensors_into_shards, plan_units
-from fsdp_strategy.policy import normalize_policy
-from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing import full
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint.trainer_state import TRAINER_STATE_FILENAME
+from fsdp_strategy.sharding.parallelize import (
+    apply_fully_shard,
+    load_full_tensors_into_shards,
+    plan_units,
+)
+from fsdp_strategy.sharding.policy import normalize_policy
+from testkit import full
+from testkit.models import TinyLM, token_loader
 
 
 def sharded_tinylm(mesh, seed: int) -> TinyLM:
@@ -73,7 +78,7 @@ def test_sharded_round_trip_is_bit_exact_for_model_and_optimizer(mesh, tmp_path)
     }
     assert all(isinstance(t, DTensor) for t in checkpoint["state_dict"].values())
     ckpt.save_sharded(path, checkpoint, is_rank_zero=True)
-    assert (path / ckpt.METADATA_FILENAME).is_file()
+    assert (path / TRAINER_STATE_FILENAME).is_file()
     assert (path / ".metadata").is_file()  # DCP's own index
     assert ckpt.is_sharded_checkpoint(path)
 

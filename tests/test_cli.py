@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import fsdp_strategy
-from fsdp_strategy.cli import main
+from fsdp_strategy.tools.cli import main
 
 
 def test_env_prints_version_registered_names_and_precisions(capsys):

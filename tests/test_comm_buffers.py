@@ -7,8 +7,8 @@ import gc
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_strategy.comm_buffers import BufferPool, reuse_buffers
-from fsdp_strategy.testing.models import TinyLM
+from fsdp_strategy.step.comm_pool import BufferPool, reuse_buffers
+from testkit.models import TinyLM
 
 
 def _address(tensor: torch.Tensor) -> int:

@@ -27,14 +27,13 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import consolidate as consolidate_module
-from fsdp_strategy.cli import main
-from fsdp_strategy.consolidate import consolidate_checkpoint
-from fsdp_strategy import CheckpointError
-from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing import full
+from fsdp_strategy import CheckpointError, FSDP2Strategy
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.tools import consolidate as consolidate_module
+from fsdp_strategy.tools.cli import main
+from fsdp_strategy.tools.consolidate import consolidate_checkpoint
+from testkit import full
+from testkit.models import TinyLM, token_loader
 
 # dcp.save(no_dist=True) writes the small hand-made checkpoints below; it warns that it runs without a group.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -279,8 +278,8 @@ from torch.distributed.fsdp import fully_shard
 package = types.ModuleType("fsdp_strategy")
 package.__path__ = [sys.argv[3]]
 sys.modules["fsdp_strategy"] = package
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy import rendezvous
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.launch import rendezvous
 
 
 class Model(nn.Module):
@@ -344,7 +343,7 @@ def test_checkpoint_saved_by_two_ranks(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    package = str(Path(ckpt.__file__).parent)
+    package = str(Path(ckpt.__file__).parent.parent)  # fsdp_strategy/, above checkpoint/
     command = [sys.executable, str(script), str(tmp_path / "sharded"), str(tmp_path / "reference.pt"), package]
     processes = []
     for rank in range(2):
@@ -461,7 +460,7 @@ def test_directory_without_meta_pt(tmp_path):
     )
 
 
-# Deeper damage is found by fsdp_strategy.verify (tested in test_integrity.py, which owns the wording):
+# Deeper damage is found by fsdp_strategy.checkpoint.verify (tested in test_integrity.py, which owns the wording):
 # here only that consolidation stops with its CheckpointError, a ValueError naming directory and file.
 
 

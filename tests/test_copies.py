@@ -1,5 +1,5 @@
 """``copy.deepcopy``, ``pickle`` and ``torch.save`` of modules of a sharded model give plain modules with full values,
-as under DDP, on a real 1-rank gloo group (``fsdp_strategy.gather``); the 2- and 4-rank comparison with DDP is in
+as under DDP, on a real 1-rank gloo group (``fsdp_strategy.sharding.unshard``); the 2- and 4-rank comparison with DDP is in
 ``integration_tests/test_finetuning.py``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 
 class CopyingLM(TinyLM):

@@ -15,8 +15,14 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_strategy.deferred_init import DeferredInitError, DeferredTensor, deferred_init, materialize, records_by_name
-from fsdp_strategy.testing import full
+from fsdp_strategy.sharding.deferred_init import (
+    DeferredInitError,
+    DeferredTensor,
+    deferred_init,
+    materialize,
+    records_by_name,
+)
+from testkit import full
 
 CPU = torch.device("cpu")
 

@@ -11,15 +11,20 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_strategy.cli import main, parse_init_args, parse_strategies, parse_world_sizes
-from fsdp_strategy.estimate import Estimate, estimate_module
-from fsdp_strategy.estimate_report import estimate, recommend
-from fsdp_strategy.parallelize import apply_fully_shard, plan_units
-from fsdp_strategy.policy import normalize_policy
-from fsdp_strategy.precision import mixed_precision_policy
+from fsdp_strategy.estimator.model_state import Estimate, estimate_module
+from fsdp_strategy.estimator.report import estimate, recommend
+from fsdp_strategy.estimator.target import load_target
+from fsdp_strategy.sharding.parallelize import apply_fully_shard, plan_units
+from fsdp_strategy.sharding.policy import normalize_policy
+from fsdp_strategy.sharding.precision import mixed_precision_policy
 from fsdp_strategy.sizes import format_bytes
-from fsdp_strategy.target import load_target
-from fsdp_strategy.testing.models import TinyLM
+from fsdp_strategy.tools.cli import (
+    main,
+    parse_init_args,
+    parse_strategies,
+    parse_world_sizes,
+)
+from testkit.models import TinyLM
 
 F32 = 4
 STRATEGY_NAMES = "ddp, fsdp2, fsdp2_grad_op, fsdp2_hybrid, fsdp2_offload"
@@ -312,9 +317,9 @@ def test_load_target_errors():
     with raises(
         ValueError,
         "The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class;"
-        " got 'fsdp_strategy.testing.models'.",
+        " got 'testkit.models'.",
     ):
-        load_target("fsdp_strategy.testing.models")
+        load_target("testkit.models")
     with raises(
         ValueError,
         "Could not import 'integration_tests.nowhere' for 'integration_tests.nowhere:X': No module named"
@@ -323,17 +328,17 @@ def test_load_target_errors():
         load_target("integration_tests.nowhere:X")
     with raises(
         ValueError,
-        "'fsdp_strategy.testing.models' has no attribute 'Tiny'; its nn.Module classes are: Block, LightningModule,"
+        "'testkit.models' has no attribute 'Tiny'; its nn.Module classes are: Block, LightningModule,"
         " MulticlassAccuracy, PoisonedLM, TinyGAN, TinyLM.",
     ):
-        load_target("fsdp_strategy.testing.models:Tiny")
-    with raises(TypeError, "'fsdp_strategy.testing.models:token_loader' must name a torch.nn.Module subclass; it is <function"):
-        load_target("fsdp_strategy.testing.models:token_loader")
+        load_target("testkit.models:Tiny")
+    with raises(TypeError, "'testkit.models:token_loader' must name a torch.nn.Module subclass; it is <function"):
+        load_target("testkit.models:token_loader")
 
 
 def test_bad_init_args_name_the_call():
     with raises(ValueError, "Could not build TinyLM(width=3): TinyLM.__init__() got an unexpected keyword argument 'width'"):
-        estimate("fsdp_strategy.testing.models:TinyLM", init_args={"width": 3}, world_sizes=[1])
+        estimate("testkit.models:TinyLM", init_args={"width": 3}, world_sizes=[1])
 
 
 def test_estimate_option_errors():
@@ -414,7 +419,7 @@ def test_hybrid_with_a_node_size_still_rejects_bad_options():
 
 
 def test_command_prints_a_table_and_a_recommendation(capsys):
-    argv = ["estimate", "fsdp_strategy.testing.models:TinyLM", "--world-sizes", "1,2", "--budget", "100KiB"]
+    argv = ["estimate", "testkit.models:TinyLM", "--world-sizes", "1,2", "--budget", "100KiB"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     tiny = [estimate_module(meta(TinyLM), strategy=s, world_size=2) for s in ("ddp", "fsdp2_grad_op")]
@@ -433,7 +438,7 @@ def test_command_prints_a_table_and_a_recommendation(capsys):
 
 
 def test_command_json(capsys):
-    argv = ["estimate", "fsdp_strategy.testing.models:TinyLM", "--world-sizes", "2", "--strategies", "fsdp2"]
+    argv = ["estimate", "testkit.models:TinyLM", "--world-sizes", "2", "--strategies", "fsdp2"]
     argv += ["--precision", "bf16-mixed", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
@@ -451,7 +456,7 @@ def test_command_json(capsys):
     ],
 )
 def test_command_user_errors_exit_with_2(capsys, argv, message):
-    assert main(["estimate", "fsdp_strategy.testing.models:TinyLM", *argv]) == 2
+    assert main(["estimate", "testkit.models:TinyLM", *argv]) == 2
     assert capsys.readouterr().err.startswith("fsdp-strategy estimate: error: " + message)
 
 
@@ -464,13 +469,13 @@ def test_command_import_error_exits_with_2(capsys):
 
 
 def test_command_accepts_lightnings_precision_aliases(capsys):
-    argv = ["estimate", "fsdp_strategy.testing.models:TinyLM", "--world-sizes", "2", "--strategies", "fsdp2"]
+    argv = ["estimate", "testkit.models:TinyLM", "--world-sizes", "2", "--strategies", "fsdp2"]
     assert main([*argv, "--precision", "bf16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["precision"] == "bf16-mixed"
 
 
 def test_command_rejects_an_unknown_precision(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["estimate", "fsdp_strategy.testing.models:TinyLM", "--precision", "fp8"])
+        main(["estimate", "testkit.models:TinyLM", "--precision", "fp8"])
     assert exit_info.value.code == 2
     assert "argument --precision: invalid choice: 'fp8'" in capsys.readouterr().err

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.benchmark.gpt import GPT
-from fsdp_strategy.cli import main
-from fsdp_strategy.estimate import Estimate, estimate_module
-from fsdp_strategy.estimate_fit import Recommendation, fit_budget, micro_batch_sizes
-from fsdp_strategy.estimate_peak import StepPeaks
-from fsdp_strategy.estimate_report import build_on_meta, estimate
-from fsdp_strategy.estimate_trace import token_batch
-from fsdp_strategy.policy import normalize_policy
-from fsdp_strategy.testing.models import SEQ, TinyLM
+from fsdp_strategy.estimator.fit import Recommendation, fit_budget, micro_batch_sizes
+from fsdp_strategy.estimator.model_state import Estimate, estimate_module
+from fsdp_strategy.estimator.peak import StepPeaks
+from fsdp_strategy.estimator.report import build_on_meta, estimate
+from fsdp_strategy.estimator.trace import token_batch
+from fsdp_strategy.sharding.policy import normalize_policy
+from fsdp_strategy.tools.benchmark.gpt import GPT
+from fsdp_strategy.tools.cli import main
+from testkit.models import SEQ, TinyLM
 
 _REPO = Path(__file__).resolve().parents[1]
 # Set by the tests' launchers; the fit must start its own 1-rank group.
@@ -36,9 +36,9 @@ GPT_ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
 _MEASURE = """
 import gc, json, sys
 import lightning as L
-from fsdp_strategy.live_tensors import LiveTensors, existing_tensors
-from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing.peak_runs import live_peak_fit
+from fsdp_strategy.estimator.live_tensors import LiveTensors, existing_tensors
+from testkit.models import TinyLM, token_loader
+from testkit.peak_runs import live_peak_fit
 def main():
     strategy, checkpointing = json.loads(sys.argv[1])
     gc.collect()
@@ -188,7 +188,7 @@ def test_a_sample_batch_factory_replaces_the_token_batch():
 
 
 def test_command_with_a_batch_prints_activations_and_a_setting(capsys):
-    argv = ["estimate", "fsdp_strategy.benchmark.gpt:GPT", "--init-args", '{"n_layer": 2, "n_head": 2, "n_embd": 64}',
+    argv = ["estimate", "fsdp_strategy.tools.benchmark.gpt:GPT", "--init-args", '{"n_layer": 2, "n_head": 2, "n_embd": 64}',
             "--world-sizes", "2", "--strategies", "ddp,fsdp2", "--batch-size", "4", "--seq-len", "32",
             "--activation-checkpointing", "Block", "--budget", "1GiB"]
     assert main(argv) == 0

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from fsdp_strategy.estimate import Estimate
-from fsdp_strategy.estimate_report import EstimateReport, Recommendation
-from fsdp_strategy.estimate_table import render_table
+from fsdp_strategy.estimator.model_state import Estimate
+from fsdp_strategy.estimator.report import EstimateReport, Recommendation, render_table
 
 KiB, MiB = 2**10, 2**20
 PEAK_NOTE = "* peak: model state + gathered units and unsharded gradients (DDP: gradient buckets); activations not included."

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy import consolidate_checkpoint, export_safetensors
-from fsdp_strategy.cli import main
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.tools.cli import main
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

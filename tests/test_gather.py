@@ -1,4 +1,4 @@
-"""After a stage the module is the one the user built, as DDP leaves it (fsdp_strategy/gather.py), on a
+"""After a stage the module is the one the user built, as DDP leaves it (fsdp_strategy/sharding/unshard.py), on a
 real 1-rank group: its classes, its Parameter objects with the trained values, no sharding hooks, and
 optimizers that refer to those parameters, across several stages of one Trainer."""
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 
 def trainer(tmp_path, **kwargs) -> L.Trainer:

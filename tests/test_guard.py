@@ -13,7 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.guard import (
+from fsdp_strategy.sharding.precision import FSDP2MixedPrecision
+from fsdp_strategy.step.guard import (
     NonFinite,
     NonFiniteGradientError,
     NonFiniteGuard,
@@ -22,10 +23,8 @@ from fsdp_strategy.guard import (
     guard_gradients,
     named_optimizer_params,
 )
-from fsdp_strategy.precision import FSDP2MixedPrecision
-from fsdp_strategy.testing.callbacks import DropGradsAt
-from fsdp_strategy.testing.models import PoisonedLM
-from fsdp_strategy.testing.models import token_loader
+from testkit.callbacks import DropGradsAt
+from testkit.models import PoisonedLM, token_loader
 
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
 

@@ -1,9 +1,7 @@
-"""``on_before_optimizer_step`` sees whole parameters and gradients (``fsdp_strategy.hook_view``), on a real 1-rank
+"""``on_before_optimizer_step`` sees whole parameters and gradients (``fsdp_strategy.step.hook_view``), on a real 1-rank
 gloo group; the 2- and 4-rank comparison with DDP is in ``integration_tests/test_finetuning.py``."""
 
 from __future__ import annotations
-
-import re
 
 import lightning as L
 import pytest
@@ -14,9 +12,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.hook_view import WholeParameters, hooks_read_parameters
-from fsdp_strategy.testing import full
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy.step.hook_view import WholeParameters, hooks_read_parameters
+from testkit import full
+from testkit.models import TinyLM, token_loader
 
 
 def sharded_pair(mesh) -> nn.Module:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ import torch
 
 from fsdp_strategy import FSDP2Strategy, host_memory
 from fsdp_strategy.monitor.memory import current_rss_bytes
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 MiB = 2**20
 

@@ -15,7 +15,14 @@ import pickle
 import re
 import shutil
 from collections import namedtuple
-from pathlib import Path, PosixPath, PurePath, PurePosixPath, PureWindowsPath, WindowsPath
+from pathlib import (
+    Path,
+    PosixPath,
+    PurePath,
+    PurePosixPath,
+    PureWindowsPath,
+    WindowsPath,
+)
 from typing import Any
 
 import lightning
@@ -30,11 +37,16 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.checkpoint_error import CheckpointError
-from fsdp_strategy.dcp_metadata import read_dcp_metadata
-from fsdp_strategy.trainer_state import ACCEPTED_TYPES, check_trainer_state, load_trainer_state, save_trainer_state
-from fsdp_strategy.verify import (
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
+from fsdp_strategy.checkpoint.errors import CheckpointError
+from fsdp_strategy.checkpoint.trainer_state import (
+    ACCEPTED_TYPES,
+    check_trainer_state,
+    load_trainer_state,
+    save_trainer_state,
+)
+from fsdp_strategy.checkpoint.verify import (
     check_model_matches,
     compare_keys,
     is_half_written,
@@ -42,7 +54,7 @@ from fsdp_strategy.verify import (
     saved_shapes,
     verify_sharded_checkpoint,
 )
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 SHARD = "__0_0.distcp"
 
@@ -134,12 +146,6 @@ def test_a_checkpoint_written_by_the_strategy_verifies_and_its_trainer_state_loa
     save_trainer_state(saved, state)
     assert_same(load_trainer_state(saved), state)
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", SHARD, "meta.pt"]  # no temporary file left
-
-
-def test_the_trainer_state_file_name_is_the_one_the_checkpoint_module_writes():
-    from fsdp_strategy.trainer_state import TRAINER_STATE_FILENAME
-
-    assert TRAINER_STATE_FILENAME == ckpt.METADATA_FILENAME
 
 
 # --- shard files ----------------------------------------------------------------------------------

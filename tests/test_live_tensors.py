@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_strategy._compat import FakeTensorMode
-from fsdp_strategy.live_tensors import LiveTensors, existing_tensors
+from fsdp_strategy.estimator.live_tensors import LiveTensors, existing_tensors
 
 
 def test_outputs_count_once_per_storage_until_freed():

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch.distributed as dist
 
-from fsdp_strategy.mesh import SHARD_DIM, build_device_mesh, resolve_mesh_shape
+from fsdp_strategy.sharding.mesh import SHARD_DIM, build_device_mesh, resolve_mesh_shape
 
 
 def mesh_error(replicate: int, shard: int, world: int) -> str:

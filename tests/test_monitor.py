@@ -17,12 +17,12 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
-from fsdp_strategy.estimate import estimate_module
-from fsdp_strategy.monitor.flops import datasheet_flops
+from fsdp_strategy.estimator.model_state import estimate_module
 from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
 from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
+from fsdp_strategy.monitor.flops import datasheet_flops
 from fsdp_strategy.monitor.summary import format_summary, summarize
-from fsdp_strategy.testing.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
+from testkit.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
 
 
 @pytest.mark.parametrize(

@@ -6,21 +6,29 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_strategy.parallelize import (
-    load_full_tensors_into_shards,
+from fsdp_strategy.sharding.parallelize import (
     apply_activation_checkpointing,
     apply_fully_shard,
+    load_full_tensors_into_shards,
     plan_units,
 )
-from fsdp_strategy import unused
-from fsdp_strategy.policy import normalize_policy
-from fsdp_strategy.unused import UnusedParameters
-from fsdp_strategy.precision import FULL_PRECISION_POLICY, mixed_precision_policy
-from fsdp_strategy.testing.models import Block, TinyGAN, TinyLM, token_loader
-from fsdp_strategy.testing import full
+from fsdp_strategy.sharding.policy import normalize_policy
+from fsdp_strategy.sharding.precision import (
+    FULL_PRECISION_POLICY,
+    mixed_precision_policy,
+)
+from fsdp_strategy.step import unused
+from fsdp_strategy.step.unused import UnusedParameters
+from testkit import full
+from testkit.models import Block, TinyGAN, TinyLM, token_loader
 
 FP32 = MixedPrecisionPolicy()
 BF16 = mixed_precision_policy("bf16-mixed")

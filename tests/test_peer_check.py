@@ -3,7 +3,11 @@ peer run unless docs/compatibility.md lists it as a deliberate difference."""
 
 from __future__ import annotations
 
-from integration_tests.peer.check import COMPATIBILITY, deliberate_differences, regressions
+from integration_tests.peer.check import (
+    COMPATIBILITY,
+    deliberate_differences,
+    regressions,
+)
 
 
 def row(test: str, baseline: str, fsdp2: str) -> dict:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_strategy.policy import ModulePolicy, normalize_policy, select_modules
-from fsdp_strategy.testing.models import Block, TinyLM
+from fsdp_strategy.sharding.policy import ModulePolicy, normalize_policy, select_modules
+from testkit.models import Block, TinyLM
 
 ACCEPTED = (
     '"auto", a list of module class names (e.g. ["Block"]), a set of nn.Module classes, a callable'
@@ -292,7 +292,7 @@ def test_auto_falls_back_to_repeated_blocks_when_no_split_modules_names_nothing_
 def test_class_names_match_modules_the_user_already_sharded(single_rank_group):
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_strategy.policy import class_name
+    from fsdp_strategy.sharding.policy import class_name
 
     model = TinyLM()
     fully_shard(model.blocks[0])

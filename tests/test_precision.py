@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from fsdp_strategy.precision import (
+from fsdp_strategy.sharding.precision import (
     FULL_PRECISION_POLICY,
     SUPPORTED_PRECISIONS,
     FSDP2HalfPrecision,

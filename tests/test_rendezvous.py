@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fsdp_strategy import rendezvous
-from fsdp_strategy.rendezvous import Member, Membership, PeerLostError
-from fsdp_strategy.testing import free_port
+from fsdp_strategy.launch import rendezvous
+from fsdp_strategy.launch.rendezvous import Member, Membership, PeerLostError
+from testkit import free_port
 
 
 def _member(rank: int, node_rank: int) -> Member:

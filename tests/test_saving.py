@@ -1,4 +1,4 @@
-"""How a save ends (fsdp_strategy.saving) on a real 1-rank group: failures named and cleaned up, stale
+"""How a save ends (fsdp_strategy.checkpoint.saving) on a real 1-rank group: failures named and cleaned up, stale
 staging removed, background saves that copy what training changes, and CheckpointIO plugins."""
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_strategy import FSDP2Strategy, background, saving
-from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.saving import CheckpointSaveError
-from fsdp_strategy.testing.faults import Disk
-from fsdp_strategy.testing.models import TinyLM, token_loader
-from fsdp_strategy.testing import full
-from fsdp_strategy.testing.callbacks import RecordingIO
+from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.checkpoint import background, saving
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint.saving import CheckpointSaveError
+from testkit import full
+from testkit.callbacks import RecordingIO
+from testkit.faults import Disk
+from testkit.models import TinyLM, token_loader
 from tests.test_checkpoint import adamw, sharded_tinylm, train_step
-
 
 # --- naming the failure ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""``fsdp_strategy.state_bytes``: the bytes of parameters, gradients and optimizer state, as this rank
+"""``fsdp_strategy.estimator.state_bytes``: the bytes of parameters, gradients and optimizer state, as this rank
 holds them and whole, checked against counts worked out from shapes and dtypes."""
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_strategy.gather import full_state_bytes
-from fsdp_strategy.state_bytes import full_bytes, held_bytes, model_state_bytes, model_state_tensors
+from fsdp_strategy.estimator.state_bytes import (
+    full_bytes,
+    held_bytes,
+    model_state_bytes,
+    model_state_tensors,
+)
+from fsdp_strategy.sharding.unshard import full_state_bytes
 
 
 def test_model_state_bytes_counts_params_grads_and_optimizer_state_once_per_tensor(mesh):

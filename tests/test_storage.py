@@ -12,10 +12,16 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from fsdp_strategy import CheckpointError, FSDP2Strategy, consolidate_checkpoint, export_safetensors, storage, verify
-from fsdp_strategy.last_checkpoint import find_last
-from fsdp_strategy.saving import remove_stale_staging, staging_token
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from fsdp_strategy import (
+    CheckpointError,
+    FSDP2Strategy,
+    consolidate_checkpoint,
+    export_safetensors,
+)
+from fsdp_strategy.checkpoint import storage, verify
+from fsdp_strategy.checkpoint.saving import remove_stale_staging, staging_token
+from fsdp_strategy.launch.resume_last import find_last
+from testkit.models import TinyLM, token_loader
 
 
 @pytest.fixture
@@ -136,7 +142,7 @@ def test_a_half_written_remote_checkpoint_is_invisible_and_its_prefix_is_removed
     with pytest.raises(FileNotFoundError, match="does not exist"):
         storage.read_manifest(f"{memory_dir}/epoch=0-step=4.ckpt")
 
-    import fsdp_strategy.saving as saving
+    import fsdp_strategy.checkpoint.saving as saving
 
     kept = remove_stale_staging(memory_dir)  # written after this process started: maybe a save in progress
     assert kept == [] and fs.exists(root)

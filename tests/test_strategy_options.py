@@ -16,9 +16,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_strategy
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.precision import FSDP2HalfPrecision, FSDP2MixedPrecision, FSDP2Precision
+from fsdp_strategy.sharding.precision import (
+    FSDP2HalfPrecision,
+    FSDP2MixedPrecision,
+    FSDP2Precision,
+)
 from fsdp_strategy.strategy import ShardingPlan
-from fsdp_strategy.testing.models import Block
+from testkit.models import Block
 
 ACCEPTED_POLICIES = (
     '"auto", a list of module class names (e.g. ["Block"]), a set of nn.Module classes, a callable'

@@ -13,7 +13,7 @@ import torch
 
 import fsdp_strategy
 from fsdp_strategy import CheckpointError
-from fsdp_strategy.testing.models import TinyLM, token_loader
+from testkit.models import TinyLM, token_loader
 
 
 class Mode(enum.Enum):

@@ -4,8 +4,8 @@ sharded and full checkpoint save and resume. A few steps each; the real multi-pr
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import re
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -15,9 +15,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.checkpoint import is_sharded_checkpoint
-from fsdp_strategy.testing.models import VOCAB, WIDTH, Block, TinyLM, token_loader
-from fsdp_strategy.testing import full
+from fsdp_strategy.checkpoint.io import is_sharded_checkpoint
+from testkit import full
+from testkit.models import VOCAB, WIDTH, Block, TinyLM, token_loader
 
 
 def trainer(tmp_path, **kwargs) -> L.Trainer:

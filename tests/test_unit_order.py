@@ -1,4 +1,4 @@
-"""The record of which sharded units ran forward (``fsdp_strategy.unit_order``) on a real 1-rank gloo group.
+"""The record of which sharded units ran forward (``fsdp_strategy.step.unit_order``) on a real 1-rank gloo group.
 
 One rank always agrees with itself; what ranks that disagree see is in ``integration_tests/test_dropin.py``.
 Here: what the digest covers (which units, how often, in what order; not activation checkpointing's
@@ -15,9 +15,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_strategy import UnitMismatchError
-from fsdp_strategy.unit_order import UnitOrder, describe_mismatch
-from fsdp_strategy.unused import UnusedParameters
-from fsdp_strategy.testing.dropin import ExpertsLM
+from fsdp_strategy.step.unit_order import UnitOrder, describe_mismatch
+from fsdp_strategy.step.unused import UnusedParameters
+from testkit.dropin import ExpertsLM
 
 
 class Routed(nn.Module):

@@ -1,4 +1,4 @@
-"""Parameters without a gradient (``fsdp_strategy.unused``) on a real 1-rank gloo group.
+"""Parameters without a gradient (``fsdp_strategy.step.unused``) on a real 1-rank gloo group.
 
 On one rank "unused here" is "unused on every rank", so each such gradient must come back as it was
 before the backward, as DDP with ``find_unused_parameters=True`` leaves it; the 2-rank comparison with
@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy  # noqa: F401  (registers the strategy names)
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.unused import UnusedParameters, supported
-from fsdp_strategy.testing.dropin import TinyMoE, token_loader
+from fsdp_strategy.step.unused import UnusedParameters, supported
+from testkit.dropin import TinyMoE, token_loader
 
 
 class Branchy(nn.Module):

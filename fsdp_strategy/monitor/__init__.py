@@ -7,7 +7,7 @@ set up, before ``configure_model`` and sharding) and the bytes of model state he
 parameters, gradients and optimizer state). For the run it measures samples/s, tokens/s, TFLOP/s
 and, where the device's peak is known, MFU, and it reads the bytes all-gathered, reduce-scattered
 and all-reduced per optimizer step from the sharding plan
-(:func:`fsdp_strategy.estimate.estimate_module`). Values are logged to the Trainer's loggers every
+(:func:`fsdp_strategy.estimator.model_state.estimate_module`). Values are logged to the Trainer's loggers every
 ``log_every_n_steps`` and summarized in one table when fit ends.
 
 Peaks are those of the fit: CUDA's peak statistics and, on Linux, the process's peak RSS (VmHWM)
@@ -21,7 +21,7 @@ the first steps, what the estimator's step peak predicts), ``batches`` (samples 
 batch), ``timing`` (step boundaries without synchronizing), ``flops`` (one batch's FLOPs, the
 device's peak, MFU), ``estimator`` (the sharding plan's communication and model state, from the
 estimator), ``summary`` (per-rank rows to the summary and its table) and ``callback`` (the Lightning
-hooks calling them). The model state a rank holds is :mod:`fsdp_strategy.state_bytes`'s count.
+hooks calling them). The model state a rank holds is :mod:`fsdp_strategy.estimator.state_bytes`'s count.
 """
 
 from fsdp_strategy.monitor.callback import ShardingMonitor

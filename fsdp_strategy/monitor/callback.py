@@ -10,15 +10,20 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from fsdp_strategy.estimator.state_bytes import model_state_bytes
 from fsdp_strategy.monitor.batches import BatchCounter
 from fsdp_strategy.monitor.estimator import communication_estimate
 from fsdp_strategy.monitor.flops import BatchFlops, peak_flops_per_device
 from fsdp_strategy.monitor.live import LiveTensorPeak
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_memory, reset_peaks
-from fsdp_strategy.monitor.summary import format_summary, gather_rows, max_over_ranks, summarize
+from fsdp_strategy.monitor.summary import (
+    format_summary,
+    gather_rows,
+    max_over_ranks,
+    summarize,
+)
 from fsdp_strategy.monitor.timing import Clock, Point, between
-from fsdp_strategy.state_bytes import model_state_bytes
-from fsdp_strategy.checks import check_positive_int
+from fsdp_strategy.option_checks import check_positive_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

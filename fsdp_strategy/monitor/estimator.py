@@ -1,5 +1,5 @@
 """The monitor's bridge to the estimator: a Trainer's strategy and optimizers in the estimator's
-names, and from :func:`fsdp_strategy.estimate.estimate_module` of the live model the bytes its
+names, and from :func:`fsdp_strategy.estimator.model_state.estimate_module` of the live model the bytes its
 sharding plan communicates per step and the model state it expects per rank."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from fsdp_strategy.estimate import Estimate, estimate_module
+from fsdp_strategy.estimator.model_state import Estimate, estimate_module
 from fsdp_strategy.strategy import FSDP2Strategy, ShardingPlan
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 RSS includes what the allocator keeps (on CPU, glibc's heap fragments after a few steps) and CUDA's
 ``max_memory_allocated`` counts the caching allocator's blocks; neither is what the estimator predicts.
-:class:`LiveTensorPeak` counts the tensors themselves (:class:`~fsdp_strategy.live_tensors.LiveTensors`):
+:class:`LiveTensorPeak` counts the tensors themselves (:class:`~fsdp_strategy.estimator.live_tensors.LiveTensors`):
 at the first batch it takes every tensor the process holds (model state, batches, FSDP2's freed
 all-gather outputs, and anything else still referenced, such as a model of an earlier fit), then follows each op's outputs and each storage's release until ``steps`` optimizer
 steps have ended. Counting costs Python work on every op, so it covers the first steps only, which the
@@ -15,7 +15,7 @@ import gc
 import math
 from typing import Any
 
-from fsdp_strategy.live_tensors import LiveTensors, existing_tensors
+from fsdp_strategy.estimator.live_tensors import LiveTensors, existing_tensors
 
 __all__ = ["LiveTensorPeak"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.monitor.flops import model_flops_utilization
+from fsdp_strategy.sizes import format_bytes
 
 __all__ = ["FIELDS", "format_summary", "gather_rows", "max_over_ranks", "summarize"]
 

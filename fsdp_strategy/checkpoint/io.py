@@ -1,0 +1,468 @@
+"""Checkpoints of sharded models: a Distributed Checkpoint directory, or one full Lightning file.
+
+The sharded layout matches Lightning's own (DCP shards with the model under ``"model"`` and
+optimizers under ``"optimizer_0"``, ..., trainer state in ``meta.pt``), so
+``python -m lightning.pytorch.utilities.consolidate_checkpoint`` reads it too.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from fsdp_strategy._compat import FsspecWriter
+from fsdp_strategy.checkpoint import optimizer_state as optimizer_state_io
+from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
+from fsdp_strategy.checkpoint.errors import CheckpointError, damaged, refused
+from fsdp_strategy.checkpoint.trainer_state import (
+    TRAINER_STATE_FILENAME,
+    load_trainer_state,
+    save_trainer_state,
+)
+from fsdp_strategy.checkpoint.verify import (
+    check_model_matches,
+    compare_keys,
+    state_dict_shapes,
+)
+
+__all__ = [
+    "ShardWriter",
+    "is_sharded_checkpoint",
+    "gather_dtensors",
+    "holds_dtensor",
+    "check_full_state_dict",
+    "load_full_optimizers",
+    "load_full_weights",
+    "load_sharded_model",
+    "load_sharded_optimizers",
+    "read_full_checkpoint",
+    "read_full_weights",
+    "read_sharded",
+    "require_state_dict",
+    "model_state",
+    "optimizer_state",
+    "os_error_in",
+    "publish",
+    "remove_path",
+    "replaced_data",
+    "shard_writer",
+    "save_full_file",
+    "save_sharded",
+    "split_checkpoint",
+    "staging_path",
+]
+
+MODEL_KEY = "model"
+PARTIAL_PREFIX = ".partial-"
+
+
+def is_sharded_checkpoint(path: Path | str) -> bool:
+    if storage.is_url(path):
+        try:
+            return storage.read_manifest(str(path)) is not None
+        except FileNotFoundError:
+            return False
+    path = Path(path)
+    return path.is_dir() and (path / TRAINER_STATE_FILENAME).is_file()
+
+
+def model_state(model: nn.Module, *, full: bool) -> dict[str, Any]:
+    """Sharded: this rank's DTensor shards. Full: whole tensors on CPU on rank 0, empty elsewhere."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def optimizer_state(model: nn.Module, optimizer: Optimizer, *, full: bool, keep: bool = True) -> dict[str, Any]:
+    """Sharded: keyed by parameter names, this rank's shards. Full: keyed by parameter index, as Lightning's, whole
+    tensors on CPU where ``keep`` (rank 0), empty elsewhere. The optimizer is only read (see :mod:`.optimizer_state`)."""
+    if full:
+        return optimizer_state_io.full_state(optimizer, keep=keep)
+    return optimizer_state_io.sharded_state(model, optimizer)
+
+
+def staging_path(path: Path | str, token: str) -> Path | str:
+    """Where a checkpoint is written before it becomes visible as ``path``.
+
+    Hidden, and without the word "last", so that neither a directory listing nor Lightning's
+    ``ckpt_path="last"`` lookup ever takes a half-written checkpoint. On a URL, the prefix that keeps the
+    shards for good, which the manifest written under ``path`` names (see :mod:`fsdp_strategy.checkpoint.storage`).
+    """
+    if storage.is_url(path):
+        return storage.join(storage.parent(str(path)), f"{storage.DATA_PREFIX}{token}")
+    return Path(path).parent / f"{PARTIAL_PREFIX}{token}"
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sharded tensors (model, optimizers) in Lightning's DCP layout, and the rest of the trainer state."""
+    rest = dict(checkpoint)
+    tensors = {MODEL_KEY: rest.pop("state_dict")}
+    tensors.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
+    # Sharded state a callback put in the checkpoint (WeightAveraging's "current_model_state") is saved
+    # in shards under its own key, as the module's is: meta.pt would hold rank 0's shards only.
+    tensors.update({key: rest.pop(key) for key in list(rest) if holds_dtensor(rest[key])})
+    return tensors, rest
+
+
+def holds_dtensor(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, dict):
+        return any(holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_dtensor(v) for v in value)
+    return False
+
+
+def gather_dtensors(value: Any, *, keep: bool) -> Any:
+    """``value`` with every DTensor in it (in nested dicts, lists and tuples) replaced by its full tensor on CPU.
+
+    A collective per DTensor: every rank calls it on a ``value`` of the same structure. Ranks that do not
+    ``keep`` the result get ``None`` in place of each tensor, so they never hold more than one at a time.
+    """
+    if isinstance(value, DTensor):
+        full = value.full_tensor().cpu()
+        return full if keep else None
+    if isinstance(value, dict):
+        return {k: gather_dtensors(v, keep=keep) for k, v in value.items()} if holds_dtensor(value) else value
+    if isinstance(value, (list, tuple)) and holds_dtensor(value):
+        return type(value)(gather_dtensors(v, keep=keep) for v in value)
+    return value
+
+
+def save_sharded(staging: Path | str, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
+    """Every rank writes its shards into ``staging``; then rank 0 writes the trainer state to ``meta.pt``.
+
+    When this returns on rank 0, every rank has written its shards: DCP's coordinator writes
+    ``.metadata`` only after gathering all ranks' write results. A rank's failure is raised on every
+    rank by DCP (as ``CheckpointException``), so rank 0 writes ``meta.pt`` only after all shards are in.
+    """
+    tensors, rest = split_checkpoint(checkpoint)
+    dcp.save(tensors, storage_writer=shard_writer(staging))
+    if is_rank_zero:
+        save_trainer_state(staging, rest)
+
+
+def shard_writer(staging: Path | str) -> FileSystemWriter:
+    """DCP's writer for the staging location: a local directory, or a prefix behind a URL."""
+    return RemoteShardWriter(staging) if storage.is_url(staging) else ShardWriter(staging)
+
+
+class _RaisingOSError:
+    """DCP's writers, except that a failed write raises the ``OSError`` behind it.
+
+    torch's zip writer turns a failed ``write`` (a full disk) into ``RuntimeError: ... unexpected pos``,
+    keeping the ``OSError`` only as its ``__context__``; DCP then pickles the failing rank's error to
+    every rank, which drops that context. Raising the ``OSError`` itself keeps its errno on every rank.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with _raising_os_error():
+            return super().write_data(plan, planner)  # type: ignore[misc]
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        with _raising_os_error():
+            super().finish(metadata, results)  # type: ignore[misc]
+
+
+class ShardWriter(_RaisingOSError, FileSystemWriter):
+    """DCP's file writer for a local directory (see :class:`_RaisingOSError`)."""
+
+
+class RemoteShardWriter(_RaisingOSError, FsspecWriter):
+    """DCP's writer over fsspec (``s3://``, ``memory://``, ...; see :class:`_RaisingOSError`)."""
+
+
+@contextmanager
+def _raising_os_error() -> Generator[None, None, None]:
+    try:
+        yield
+    except Exception as error:
+        cause = os_error_in(error)
+        if cause is None or cause is error:
+            raise
+        raise OSError(cause.errno, cause.strerror, cause.filename) from error
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``error``'s chain of causes and contexts (``error`` itself included)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def publish(staging: Path | str, path: Path | str) -> None:
+    """Rank 0: gives a completely written checkpoint its final name, replacing an older one at that name.
+
+    The older checkpoint is renamed aside first (``<name>.previous``), then removed once the new
+    one is in place, so a crash at any moment leaves a complete checkpoint behind. On a URL the name
+    is a manifest naming ``staging``, written in one go; the older checkpoint's files are removed after.
+    """
+    if storage.is_url(path):
+        _publish_remote(str(staging), str(path))
+        return
+    path, staging = Path(path), Path(staging)
+    previous = path.with_name(path.name + ".previous")
+    if path.exists():
+        remove_path(previous)
+        os.rename(path, previous)
+    os.rename(staging, path)
+    remove_path(previous)
+
+
+def _publish_remote(staging: str, path: str) -> None:
+    try:
+        older = storage.read_manifest(path)
+    except FileNotFoundError:
+        older = None
+    storage.write_manifest(path, storage.name(staging))
+    if older is not None:
+        replaced = storage.data_url(path, older)
+        if replaced.rstrip("/") != staging.rstrip("/"):
+            storage.remove_data(replaced)
+
+
+def replaced_data(path: Path | str) -> str | None:
+    """The files of the sharded checkpoint that a new checkpoint at the URL ``path`` replaces (``None``: none)."""
+    if not storage.is_url(path):
+        return None
+    try:
+        older = storage.read_manifest(str(path))
+    except FileNotFoundError:
+        return None
+    return None if older is None else storage.data_url(str(path), older)
+
+
+def save_full_file(path: Path | str, checkpoint: dict[str, Any], token: str) -> None:
+    """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place.
+
+    The directory is created as Lightning's ``TorchCheckpointIO`` creates it; a failed write removes
+    its staging file and leaves any older checkpoint at ``path`` as it was. On a URL the file is written
+    as DDP writes it there (Lightning's ``TorchCheckpointIO``: one upload, which replaces an older object
+    at once); the files of a sharded checkpoint it replaces are removed after.
+    """
+    if storage.is_url(path):
+        from lightning.fabric.plugins import (
+            TorchCheckpointIO,  # what DDP writes files on URLs with
+        )
+
+        replaced = replaced_data(path)
+        TorchCheckpointIO().save_checkpoint(checkpoint, str(path))
+        if replaced is not None:
+            storage.remove_data(replaced)
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(staging_path(path, token))
+    try:
+        with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        remove_path(staging)
+        raise
+    if path.is_dir():
+        publish(staging, path)
+    else:
+        os.replace(staging, path)
+
+
+def remove_path(path: Path | str) -> None:
+    if storage.is_url(path):
+        storage.remove(str(path))
+        return
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def read_sharded(
+    path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool, weights_only: bool = True, whole: bool = True
+) -> dict[str, Any]:
+    """The trainer state of a sharded checkpoint, and with ``whole`` its model-shaped entries too, as a single-file
+    checkpoint holds them: the module's under ``"state_dict"``, loaded in place into ``model``'s own tensors (its
+    shards, once sharded), and any other entry saved in shards (WeightAveraging's ``"current_model_state"``) under
+    its name, in new tensors laid out as the module's. Optimizer states stay in the files
+    (:func:`load_sharded_optimizers`).
+
+    Call :func:`fsdp_strategy.checkpoint.verify.verify_sharded_checkpoint` first (with the same ``weights_only``):
+    DCP itself unpickles its metadata and non-tensor entries without restrictions. ``path`` may be a URL
+    (its manifest is followed) or the :class:`~fsdp_strategy.checkpoint.storage.CheckpointFiles` of one.
+    """
+    files = storage.checkpoint_files(path)
+    metadata = read_dcp_metadata(files)
+    trainer_state = load_trainer_state(files, weights_only=weights_only)
+    read = lambda flat: dcp.load(flat, storage_reader=files.reader())  # noqa: E731
+    param_groups = optimizer_state_io.read_param_groups(metadata, read)
+    if param_groups:  # the tensors follow once the sharded optimizers exist (load_sharded_optimizers)
+        trainer_state["optimizer_states"] = [{"state": {}, "param_groups": groups} for groups in param_groups]
+    if not whole:
+        return trainer_state
+    own = _state_dict(model)
+    check_model_matches(files, own, strict=strict, metadata=metadata)
+    saved = set(metadata.state_dict_metadata)
+    tensors: dict[str, Any] = {MODEL_KEY: {k: v for k, v in own.items() if f"{MODEL_KEY}.{k}" in saved}}
+    for key in _model_shaped_entries(metadata):
+        tensors[key] = {k: torch.empty_like(v) for k, v in own.items() if f"{key}.{k}" in saved}
+    dcp.load(tensors, storage_reader=files.reader())
+    loaded = {"state_dict": tensors.pop(MODEL_KEY)}
+    return {**trainer_state, **loaded, **tensors}
+
+
+def _state_dict(model: nn.Module) -> dict[str, Any]:
+    # A sharded module's entries are its DTensor shards; DCP loads into either in place. nn.Module's own method, not
+    # an override of the user's: a template is no call of the module's `state_dict` hook, which DDP never makes here.
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return get_model_state_dict(model)
+    return nn.Module.state_dict(model)
+
+
+def _model_shaped_entries(metadata: Any) -> list[str]:
+    """Top-level entries of a sharded checkpoint besides the module's and the optimizers' (saved in shards because
+    they held DTensors: a callback's copy of the module's state)."""
+    keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return sorted(key for key in keys if key != MODEL_KEY and not key.startswith("optimizer_"))
+
+
+def load_sharded_model(path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool) -> None:
+    """Loads the module's shards of a sharded checkpoint into the sharded ``model`` (each rank reads its own)."""
+    files = storage.checkpoint_files(path)
+    state = get_model_state_dict(model)
+    check_model_matches(files, state, strict=strict)
+    saved = set(read_dcp_metadata(files).state_dict_metadata)
+    tensors = {MODEL_KEY: {k: v for k, v in state.items() if f"{MODEL_KEY}.{k}" in saved}}
+    dcp.load(tensors, storage_reader=files.reader())
+    set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict))
+
+
+def load_sharded_optimizers(
+    path: Path | str | storage.CheckpointFiles,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    saved: Sequence[dict[str, Any]],
+) -> None:
+    """Loads each optimizer's state entries (``optimizer_<i>.state`` in the checkpoint, this rank's shards) into the
+    optimizers of the sharded ``model``, with the ``param_groups`` of ``saved`` (the ``"optimizer_states"`` that
+    :func:`read_sharded` returned, as ``on_load_checkpoint`` left them), as ``optimizer.load_state_dict`` does for
+    DDP: the optimizers are not stepped."""
+    files = storage.checkpoint_files(path)
+    metadata = read_dcp_metadata(files)
+    pairs = list(zip(optimizers, saved))
+    flat: dict[str, Any] = {}
+    for i, (opt, _) in enumerate(pairs):
+        flat.update(optimizer_state_io.load_sharded_template(metadata, f"optimizer_{i}.", model, opt))
+    if flat:
+        dcp.load(flat, storage_reader=files.reader())
+    for i, (opt, state) in enumerate(pairs):
+        prefix = f"optimizer_{i}."
+        entries = {k: v for k, v in flat.items() if k.startswith(prefix)}
+        opt.load_state_dict(optimizer_state_io.unflatten(entries, state["param_groups"], prefix, model, opt))
+
+
+def read_full_checkpoint(path: Path | str, *, weights_only: bool | None) -> dict[str, Any]:
+    """A single-file Lightning checkpoint; a truncated or foreign file raises :class:`~fsdp_strategy.checkpoint.errors.CheckpointError`."""
+    return require_state_dict(load_checkpoint_file(path, weights_only=weights_only), path)
+
+
+def require_state_dict(checkpoint: Any, path: Path | str) -> dict[str, Any]:
+    """``checkpoint`` if it is a Lightning checkpoint (a dict with a ``state_dict``); else a named error."""
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise CheckpointError(
+            f"Checkpoint '{path}' is not a Lightning checkpoint: '{_file_name(path)}' has no 'state_dict' entry.",
+            checkpoint=path,
+            file=_file_name(path),
+        )
+    return checkpoint
+
+
+def _file_name(path: Path | str) -> str:
+    return Path(path).name if isinstance(path, Path) else storage.name(path)
+
+
+def load_checkpoint_file(path: Path | str, *, weights_only: bool | None) -> Any:
+    """``torch.load`` of one checkpoint file (memory-mapped when local), with damaged and untrusted files named."""
+    name = _file_name(path)
+    if storage.is_url(path):
+        fs, remote = storage.filesystem(str(path))
+        if not fs.isfile(remote):
+            raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+        load = lambda: torch.load(io.BytesIO(fs.cat_file(remote)), map_location="cpu", weights_only=weights_only)  # noqa: E731
+    else:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+        load = lambda: torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)  # noqa: E731
+    try:
+        return load()
+    except pickle.UnpicklingError as exc:
+        detail = (
+            f"'{name}' contains objects that are not plain data, so it was not unpickled. If you trust this"
+            " file, pass `trainer.fit(..., weights_only=False)`."
+        )
+        raise refused(path, name, detail) from exc
+    except Exception as exc:
+        detail = (
+            f"'{name}' is not a complete checkpoint file (truncated, or not written by torch.save):"
+            f" {type(exc).__name__}."
+        )
+        raise damaged(path, name, detail) from exc
+
+
+def check_full_state_dict(model: nn.Module, state_dict: dict[str, Any], *, strict: bool, path: Path | str) -> None:
+    """Raises :class:`~fsdp_strategy.checkpoint.errors.CheckpointError` naming the file when the weights of a
+    single-file checkpoint do not fit ``model`` (plain or sharded; global shapes)."""
+    compare_keys(
+        state_dict_shapes(_state_dict(model)), state_dict_shapes(state_dict), checkpoint=path, strict=strict, file=_file_name(path)
+    )
+
+
+def load_full_optimizers(optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
+    """Loads the full optimizer states of a single-file checkpoint (Lightning's layout) into sharded optimizers."""
+    for opt, state in zip(optimizers, states):
+        optimizer_state_io.load_full_state(opt, state)
+
+
+def read_full_weights(path: Path | str) -> dict[str, Any]:
+    """The model weights in a full checkpoint file: a Lightning checkpoint's ``state_dict``, or a plain state dict.
+
+    Memory-mapped, so the file is paged in tensor by tensor as it is broadcast, not read whole.
+    """
+    loaded = load_checkpoint_file(path, weights_only=True)
+    if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ValueError(
+            f"`init_weights` file '{path}' holds no state dict: expected a Lightning checkpoint with a 'state_dict'"
+            " entry or a plain {name: tensor} dict."
+        )
+    return loaded
+
+
+def load_full_weights(model: nn.Module, weights: dict[str, Any], *, strict: bool) -> None:
+    """Fills a sharded model from full weights held by rank 0 only (``{}`` elsewhere): each rank receives its shards."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, weights, options=options)

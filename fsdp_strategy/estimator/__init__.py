@@ -1,0 +1,10 @@
+"""Memory and communication per rank, predicted before a run from the model's shapes.
+
+* ``model_state``: what each rank keeps and communicates under each strategy (``estimate_module``);
+* ``trace`` and ``peak``: one training step on fake tensors, replayed per plan for the step's peak;
+* ``fit``: the simplest setting that fits a memory budget;
+* ``target``: a model class named as ``MODULE:Class`` (the command line, ``estimate``, the benchmark);
+* ``report``: every strategy at every world size, and the text table of the command;
+* ``state_bytes`` and ``live_tensors``: bytes of model state held, and of live tensors (measurement helpers
+  the monitor and the tests share with the estimator).
+"""

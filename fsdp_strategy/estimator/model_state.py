@@ -1,0 +1,479 @@
+"""Memory and communication per rank for each strategy, from the model's shapes alone.
+
+:func:`estimate_module` counts, for one strategy and world size, what each rank keeps (parameters,
+gradients, optimizer state) and what it moves per optimizer step (all-gather, reduce-scatter,
+all-reduce). It plans the units with the strategy's own :func:`fsdp_strategy.sharding.parallelize.plan_units`,
+so the root holds everything outside the blocks, tied weights are counted once, and under
+``*-mixed`` the norms are fp32 units of their own. It reads only shapes and dtypes, so it works on
+a meta-device model (nothing allocated) and on a model already sharded by FSDP2 (global shapes of
+the DTensor parameters, its units as they were sharded).
+
+:func:`fsdp_strategy.estimate` (:mod:`~fsdp_strategy.estimator.report`) runs it for every strategy and
+world size on a model built on the meta device, and recommends one (``fsdp-strategy estimate``).
+
+Figures are per rank, for the rank holding the largest shards (rank 0): FSDP2 pads each parameter's
+first dimension to a multiple of the shard size, so rank 0 holds ``ceil(d0 / shards)`` rows.
+Communication figures are full-size tensor bytes per optimizer step (an all-gather counts its
+gathered output, a reduce-scatter its unsharded input); a ring moves ``(n - 1) / n`` of that per
+rank for both, and twice that for an all-reduce (:attr:`Estimate.sent_bytes`). Nothing is counted
+for a group of one rank, where FSDP2 copies instead of communicating.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from fsdp_strategy._compat import sharded_units
+from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.parallelize import plan_units
+from fsdp_strategy.sharding.policy import PolicyInput, normalize_policy
+from fsdp_strategy.sharding.precision import (
+    FULL_PRECISION_POLICY,
+    SUPPORTED_PRECISIONS,
+    is_normalization,
+    mixed_precision_policy,
+)
+
+__all__ = [
+    "ACCEPTED_PRECISIONS",
+    "OPTIMIZERS",
+    "STRATEGIES",
+    "Estimate",
+    "canonical_precision",
+    "check_optimizer",
+    "estimate_module",
+    "node_size_mismatch",
+    "unique_parameters",
+]
+
+STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
+# Optimizer state tensors of the parameter's size, and whether a step counter is kept per parameter.
+_OPTIMIZER_STATE = {
+    "adamw": (2, True),
+    "adam": (2, True),
+    "sgd": (0, False),
+    "sgd_momentum": (1, False),
+    "none": (0, False),
+}
+OPTIMIZERS = tuple(_OPTIMIZER_STATE)
+_STEP_COUNTER_BYTES = 4  # Adam's per-parameter fp32 "step" scalar
+# The root is sharded with reshard_after_forward=False, yet its own parameters are gathered twice per
+# micro-batch as trained (measured on torch 2.13): training_step runs as an FSDP forward, and the
+# module's own forward nested inside it leaves the root's state idle, so the end of training_step frees
+# the root and backward gathers it again. The plan keeps everything else out of the root for that reason.
+_ROOT_GATHERS_PER_MICRO_BATCH = 2
+# The short spellings Lightning still accepts for Trainer(precision=...).
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# What `precision` accepts: the supported precisions, then the aliases (the CLI's choices).
+ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
+_HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy at one world size. Bytes per rank (on the device unless named otherwise)."""
+
+    strategy: str
+    world_size: int
+    mesh: tuple[int, int]  # (replicate, shard)
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    largest_unit_bytes: int  # the largest unit's full (gathered) parameters in compute dtype, root included
+    all_gather_bytes: int  # per optimizer step: full-size bytes gathered by one rank
+    reduce_scatter_bytes: int  # per optimizer step: full-size gradient bytes reduce-scattered
+    all_reduce_bytes: int  # per optimizer step: DDP's gradients, or hybrid's gradient shard across replicas
+    host_bytes: int  # sharded state kept in host memory (fsdp2_offload), 0 otherwise
+    # Held only during the step: gathered units and unsharded gradients (FSDP2), gradient buckets and
+    # autocast's low-precision weight copies (DDP). Activations are not included.
+    working_bytes: int = 0
+    precision: str = "32-true"
+    optimizer: str = "adamw"
+    note: str = ""
+    # With a sample batch (fsdp_strategy.estimator.peak): the peak of live tensors over a traced step of
+    # `batch_size` samples per forward, activations included, and with activation checkpointing.
+    batch_size: int | None = None
+    step_peak_bytes: int | None = None
+    activation_bytes: int | None = None  # activations and temporaries at the moment of that peak
+    checkpointed_peak_bytes: int | None = None
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state on the device."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The traced step's peak when a batch was given; else model state plus what the step holds besides
+        it, activations not included."""
+        if self.step_peak_bytes is not None:
+            return self.step_peak_bytes
+        return self.model_state_bytes + self.working_bytes
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes one rank sends per optimizer step over ring collectives (as many are received)."""
+        replicate, shard = self.mesh
+        gather_and_scatter = (self.all_gather_bytes + self.reduce_scatter_bytes) * (shard - 1) / shard
+        reduce = 2 * self.all_reduce_bytes * (replicate - 1) / replicate
+        return round(gather_and_scatter + reduce)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "mesh": list(self.mesh),
+            "model_state_bytes": self.model_state_bytes,
+            "peak_bytes": self.peak_bytes,
+            "sent_bytes": self.sent_bytes,
+        }
+
+
+# --- one module, one strategy --------------------------------------------------------------------
+
+
+def estimate_module(
+    module: nn.Module,
+    *,
+    strategy: str,
+    world_size: int,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    processes_per_node: int | None = None,
+    wrap_policy: PolicyInput = "auto",
+    accumulate_grad_batches: int = 1,
+) -> Estimate:
+    """Memory per rank and communication per optimizer step of training ``module`` with ``strategy``.
+
+    ``module`` may live on the meta device, or be sharded already by FSDP2 (its units are then the
+    ones it was sharded with, and ``wrap_policy`` is not used). ``processes_per_node`` sets
+    ``fsdp2_hybrid``'s shard size; by default two nodes of ``world_size / 2`` processes are assumed
+    when ``world_size`` is even (one node otherwise).
+
+    Raises:
+        ValueError / TypeError: an option that is not one of the accepted values.
+    """
+    precision = _check_options(
+        module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches
+    )
+    mesh, note = _mesh_for(strategy, world_size, processes_per_node)
+    groups = plan_groups(module, strategy=strategy, precision=precision, wrap_policy=wrap_policy)
+    return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulate_grad_batches, note)
+
+
+def _check_options(
+    module: nn.Module,
+    strategy: str,
+    world_size: int,
+    precision: str,
+    optimizer: str,
+    processes_per_node: int | None,
+    accumulate_grad_batches: int,
+) -> str:
+    """Validates the options and returns the precision in its canonical spelling."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {', '.join(STRATEGIES)}; got {strategy!r}.")
+    check_positive_int("world_size", world_size)
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    if processes_per_node is not None:
+        check_positive_int("processes_per_node", processes_per_node)
+    check_optimizer(optimizer)
+    return canonical_precision(precision)
+
+
+def check_optimizer(optimizer: str) -> None:
+    """Raises ``ValueError`` unless ``optimizer`` is one of :data:`OPTIMIZERS`."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
+
+
+def canonical_precision(precision: str) -> str:
+    """``precision`` as one of :data:`SUPPORTED_PRECISIONS` (Lightning's short aliases accepted)."""
+    canonical = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if canonical not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"`precision` must be one of {', '.join(SUPPORTED_PRECISIONS)} (or Lightning's aliases"
+            f" {', '.join(_PRECISION_ALIASES)}); got {precision!r}."
+        )
+    return canonical
+
+
+def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
+    """``(replicate, shard)`` and a note on how it was chosen."""
+    if strategy == "ddp":
+        return (world_size, 1), ""
+    if strategy == "fsdp2_offload":
+        return (1, world_size), "CUDA only; the sharded state lives in host memory"
+    if strategy != "fsdp2_hybrid":
+        return (1, world_size), ""
+    if processes_per_node is not None:
+        if world_size % processes_per_node:
+            raise ValueError(node_size_mismatch(processes_per_node, world_size))
+        mesh = resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node)
+        return mesh, ""
+    if world_size % 2 == 0:
+        per_node = world_size // 2
+        processes = f"{per_node} process{'es' if per_node > 1 else ''}"
+        return (2, per_node), f"assumes 2 nodes of {processes} (set processes_per_node)"
+    return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
+
+
+def node_size_mismatch(processes_per_node: int, world_size: int) -> str:
+    """Why ``fsdp2_hybrid`` cannot run ``world_size`` ranks in nodes of ``processes_per_node``."""
+    return (
+        f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
+        " shards within a node and replicates across nodes."
+    )
+
+
+# --- what the strategy would shard -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    shape: tuple[int, ...]
+    storage: int  # bytes per element of the kept (master) parameter, its gradient and optimizer state
+    compute: int  # bytes per element when gathered
+    reduce: int  # bytes per element when reduced
+    trainable: bool
+    name: str = ""  # qualified name in the module (a tied parameter's first name)
+
+
+@dataclass(frozen=True)
+class UnitGroup:
+    """The parameters of one FSDP unit (or the whole model under DDP)."""
+
+    params: list[ParamInfo]
+    is_root: bool = False
+    # None: gathered again in backward unless the strategy keeps units gathered (fsdp2_grad_op);
+    # False: gathered once per micro-batch (the norm group and the rest of the model).
+    reshard_after_forward: bool | None = None
+    name: str = ""  # the unit's modules, qualified and comma-joined ("" for the root and for DDP's single group)
+
+
+def plan_groups(module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto") -> list[UnitGroup]:
+    """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group)."""
+    precision = canonical_precision(precision)
+    if strategy == "ddp":
+        params = unique_parameters(module)
+        return [UnitGroup(_param_infos(params, precision, mixed_precision_policy(precision), _names(module)))]
+    return _unit_groups(module, precision, wrap_policy)
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(param): name for name, param in module.named_parameters()}
+
+
+def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[UnitGroup]:
+    """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
+    # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
+    low = mixed_precision_policy(precision)
+    units: list[tuple[list[nn.Module], MixedPrecisionPolicy | None, bool | None]]
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        # Already sharded: its units are the modules fully_shard was applied to, grouped as sharded.
+        units = []
+        for members, reshard_after_forward in sharded_units(module):
+            norms = low is not None and all(is_normalization(m) for m in members)
+            units.append((members, FULL_PRECISION_POLICY if norms else low, reshard_after_forward))
+    else:
+        policy = normalize_policy(wrap_policy, option="wrap_policy")
+        planned = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
+        units = [(list(u.modules), u.mp_policy, u.reshard_after_forward) for u in planned]
+    owners = _assign_parameters(module, [[id(m) for m in members] for members, _, _ in units])
+    names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
+    root = UnitGroup(_param_infos(owners.pop(-1), precision, low, names), is_root=True)
+    return [root, *(
+        UnitGroup(
+            _param_infos(owners[i], precision, policy, names),
+            name=",".join(modules[id(m)] for m in members),
+            reshard_after_forward=reshard,
+        )
+        for i, (members, policy, reshard) in enumerate(units)
+    )]
+
+
+def _assign_parameters(module: nn.Module, units: list[list[int]]) -> dict[int, list[nn.Parameter]]:
+    """Each parameter under the innermost unit that contains it (key -1, the root, when none does), once;
+    ``units`` lists each unit's module ids."""
+    unit_of = {key: index for index, members in enumerate(units) for key in members}
+    owners: dict[int, list[nn.Parameter]] = {-1: [], **{index: [] for index in range(len(units))}}
+    seen: set[int] = set()
+    stack = [(module, -1)]
+    while stack:
+        current, owner = stack.pop()
+        owner = unit_of.get(id(current), owner) if current is not module else -1
+        for param in current.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                owners[owner].append(param)
+        stack.extend((child, owner) for child in current.children())
+    return owners
+
+
+def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters, a tied one once."""
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+def _param_infos(
+    params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None, names: dict[int, str]
+) -> list[ParamInfo]:
+    infos = []
+    half = _HALF_DTYPES.get(precision)
+    for param in params:
+        floating = param.is_floating_point()
+        storage = half if half is not None and floating else param.dtype  # *-true casts the whole model
+        compute = policy.param_dtype if policy is not None and policy.param_dtype and floating else storage
+        reduce = policy.reduce_dtype if policy is not None and policy.reduce_dtype and floating else compute
+        infos.append(
+            ParamInfo(
+                shape=tuple(param.shape),  # a DTensor's shape is the global one
+                storage=storage.itemsize,
+                compute=compute.itemsize,
+                reduce=reduce.itemsize,
+                trainable=param.requires_grad,
+                name=names.get(id(param), ""),
+            )
+        )
+    return infos
+
+
+# --- counting ---------------------------------------------------------------------------------------
+
+
+def shard_numel(shape: tuple[int, ...], shards: int) -> int:
+    """Elements of rank 0's shard: FSDP2 splits dim 0 into ``shards`` chunks, the first one largest."""
+    rows = shape[0] if shape else 1
+    return math.ceil(rows / shards) * (math.prod(shape[1:]) if shape else 1)
+
+
+@dataclass(frozen=True)
+class GroupSizes:
+    """Byte totals of one group at one shard size."""
+
+    sharded: int  # rank 0's shards of all parameters, storage dtype
+    sharded_trainable: int  # of the trainable ones (gradients)
+    sharded_trainable_reduce: int  # the gradient shard in reduce dtype (hybrid's all-reduce)
+    gathered: int  # full padded parameters in compute dtype
+    gathered_grads: int  # full padded gradients in compute dtype (unsharded, before reduction)
+    reduced: int  # full padded gradients in reduce dtype (reduce-scatter input)
+    step_counters: int  # trainable parameter tensors (one optimizer step counter each)
+
+
+def group_sizes(group: UnitGroup, shards: int) -> GroupSizes:
+    sharded = sharded_trainable = sharded_reduce = gathered = gathered_grads = reduced = counters = 0
+    for p in group.params:
+        numel = shard_numel(p.shape, shards)
+        sharded += numel * p.storage
+        gathered += numel * shards * p.compute
+        if p.trainable:
+            sharded_trainable += numel * p.storage
+            sharded_reduce += numel * p.reduce
+            gathered_grads += numel * shards * p.compute
+            reduced += numel * shards * p.reduce
+            counters += 1
+    return GroupSizes(sharded, sharded_trainable, sharded_reduce, gathered, gathered_grads, reduced, counters)
+
+
+def _optimizer_bytes(grad_bytes: int, step_counters: int, optimizer: str) -> int:
+    tensors, counter = _OPTIMIZER_STATE[optimizer]
+    return tensors * grad_bytes + (step_counters * _STEP_COUNTER_BYTES if counter else 0)
+
+
+def _estimate_groups(
+    groups: list[UnitGroup],
+    strategy: str,
+    world_size: int,
+    mesh: tuple[int, int],
+    precision: str,
+    optimizer: str,
+    accumulate: int,
+    note: str,
+) -> Estimate:
+    replicate, shards = mesh
+    sizes = [group_sizes(group, shards) for group in groups]
+    params = sum(s.sharded for s in sizes)
+    grads = sum(s.sharded_trainable for s in sizes)
+    optimizer_state = _optimizer_bytes(grads, sum(s.step_counters for s in sizes), optimizer)
+    common = {
+        "strategy": strategy,
+        "world_size": world_size,
+        "mesh": mesh,
+        "largest_unit_bytes": max(s.gathered for s in sizes),
+        "precision": precision,
+        "optimizer": optimizer,
+        "note": note,
+    }
+    if strategy == "ddp":
+        return Estimate(
+            param_bytes=params,
+            grad_bytes=grads,
+            optimizer_bytes=optimizer_state,
+            all_gather_bytes=0,
+            reduce_scatter_bytes=0,
+            all_reduce_bytes=grads if world_size > 1 else 0,  # one all-reduce per step: no_sync while accumulating
+            host_bytes=0,
+            working_bytes=_ddp_working_bytes(groups[0], grads),
+            **{**common, "largest_unit_bytes": 0},  # nothing is gathered
+        )
+    offload = strategy == "fsdp2_offload"
+    device_state = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optimizer_state}
+    return Estimate(
+        **({key: 0 for key in device_state} if offload else device_state),
+        host_bytes=sum(device_state.values()) if offload else 0,
+        all_gather_bytes=_all_gather_bytes(sizes, groups, strategy, accumulate) if shards > 1 else 0,
+        reduce_scatter_bytes=sum(s.reduced for s in sizes) if shards > 1 else 0,
+        all_reduce_bytes=sum(s.sharded_trainable_reduce for s in sizes) if replicate > 1 else 0,
+        working_bytes=_fsdp_working_bytes(sizes, groups, strategy, accumulate),
+        **common,
+    )
+
+
+def _all_gather_bytes(sizes: list[GroupSizes], groups: list[UnitGroup], strategy: str, accumulate: int) -> int:
+    # Blocks are gathered in forward and, when resharded after it, again in backward; groups kept
+    # gathered from forward to backward once; the root see _ROOT_GATHERS_PER_MICRO_BATCH. Every
+    # micro-batch gathers anew.
+    def gathers(group: UnitGroup) -> int:
+        if group.is_root:
+            return _ROOT_GATHERS_PER_MICRO_BATCH
+        if group.reshard_after_forward is False or strategy == "fsdp2_grad_op":
+            return 1
+        return 2
+
+    return accumulate * sum(s.gathered * gathers(g) for s, g in zip(sizes, groups))
+
+
+def _fsdp_working_bytes(sizes: list[GroupSizes], groups: list[UnitGroup], strategy: str, accumulate: int) -> int:
+    """The worst moment of backward: the units kept gathered from forward to backward (the root and
+    the groups not resharded after forward) with their unsharded gradients, the block being computed
+    (and, without ``grad_op``, the next one prefetched), its unsharded gradient and its reduce-scatter
+    input. ``fsdp2_grad_op`` keeps every unit gathered from forward until its backward. Accumulating
+    micro-batches keeps every unsharded gradient."""
+    kept = [s for s, g in zip(sizes, groups) if g.is_root or g.reshard_after_forward is False]
+    blocks = [s for s, g in zip(sizes, groups) if not (g.is_root or g.reshard_after_forward is False)]
+    reduce_step = max([*(k.reduced for k in kept), *(b.gathered_grads + b.reduced for b in blocks)])
+    if strategy == "fsdp2_grad_op":
+        gathered = sum(s.gathered for s in sizes)
+    else:
+        gathered = sum(k.gathered for k in kept) + 2 * max([0, *(b.gathered for b in blocks)])
+    accumulated = sum(s.reduced for s in sizes) if accumulate > 1 else 0
+    return gathered + sum(k.gathered_grads for k in kept) + reduce_step + accumulated
+
+
+def _ddp_working_bytes(group: UnitGroup, grads: int) -> int:
+    # DistributedDataParallel copies gradients into buckets of its own (Lightning keeps torch's
+    # default gradient_as_bucket_view=False), and autocast keeps a low-precision copy of each
+    # weight matrix for backward.
+    matrices = [p for p in group.params if len(p.shape) >= 2 and p.compute < p.storage]
+    autocast_copies = sum(math.prod(p.shape) * p.compute for p in matrices)
+    return grads + autocast_copies

@@ -1,0 +1,117 @@
+"""``Trainer(precision=...)`` translated into FSDP2 mixed-precision policies and precision plugins.
+
+``*-mixed`` keeps fp32 sharded master weights: FSDP2 all-gathers them in the low-precision dtype for
+compute and reduce-scatters gradients in fp32. Autocast stays on as under DDP, and normalization
+layers keep fp32 parameters (their own unit with :data:`FULL_PRECISION_POLICY`), because bf16
+gradients of norm weights are what makes plain bf16 compute drift from an fp32 run (about 3x the
+distance that DDP with autocast reaches).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from fsdp_strategy.step.hook_view import WholeParameters
+
+__all__ = [
+    "FULL_PRECISION_POLICY",
+    "SUPPORTED_PRECISIONS",
+    "is_normalization",
+    "mixed_precision_policy",
+    "precision_plugin_for",
+]
+
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+# The norms' inputs are cast to fp32 by a hook of the strategy's own (parallelize.cast_inputs), not by FSDP: before
+# torch 2.13 FSDP skipped that cast when activation checkpointing recomputed a norm inside a block, and the
+# recomputed tensors no longer matched the forward's.
+FULL_PRECISION_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+# Class names cover torch's norms and the many re-implementations (LlamaRMSNorm, T5LayerNorm, ...).
+_NORM_CLASS_NAME = re.compile(r"Norm")
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy for a ``*-mixed`` precision string; ``None`` for the ``*-true`` ones."""
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if low is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def is_normalization(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalization layer that owns parameters (kept in fp32 under ``*-mixed``)."""
+    return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and any(
+        True for _ in module.parameters(recurse=False)
+    )
+
+
+def precision_plugin_for(precision: str, device_type: str) -> Precision:
+    """The Lightning precision plugin that runs ``precision`` on sharded parameters.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`.
+    """
+    if precision in ("bf16-mixed", "16-mixed"):
+        return FSDP2MixedPrecision(precision, device_type)  # type: ignore[arg-type]
+    if precision in ("bf16-true", "16-true"):
+        return FSDP2HalfPrecision(precision)  # type: ignore[arg-type]
+    if precision == "32-true":
+        return FSDP2Precision()
+    raise ValueError(
+        f"`Trainer(precision={precision!r})` is not supported by the FSDP2 strategy. Choose one of:"
+        f" {', '.join(SUPPORTED_PRECISIONS)}."
+    )
+
+
+class _WholeParametersInHooks:
+    """Runs ``on_before_optimizer_step`` with the whole parameters and gradients of :attr:`hook_view`
+    (:class:`~fsdp_strategy.step.hook_view.WholeParameters`, set by the strategy; ``None``: the shards as they are).
+
+    Lightning's ``Precision._after_closure`` calls the hooks and then ``_clip_gradients``: the shards are back
+    before clipping, which works on them across ranks.
+    """
+
+    hook_view: WholeParameters | None = None
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        if self.hook_view is None:
+            return super()._after_closure(model, optimizer)  # type: ignore[misc]
+        self.hook_view.open()
+        try:
+            super()._after_closure(model, optimizer)  # type: ignore[misc]
+        finally:
+            self.hook_view.close()
+
+    def _clip_gradients(self, *args: Any, **kwargs: Any) -> None:
+        if self.hook_view is not None:
+            self.hook_view.close()
+        super()._clip_gradients(*args, **kwargs)  # type: ignore[misc]
+
+
+class FSDP2Precision(_WholeParametersInHooks, Precision):
+    """``"32-true"``."""
+
+
+class FSDP2HalfPrecision(_WholeParametersInHooks, HalfPrecision):
+    """``"bf16-true"`` / ``"16-true"``: parameters, gradients and optimizer state in the low dtype."""
+
+
+class FSDP2MixedPrecision(_WholeParametersInHooks, MixedPrecision):
+    """``"bf16-mixed"`` / ``"16-mixed"``: autocast over fp32 master weights.
+
+    fp16 needs loss scaling; its "found inf" flag must agree across ranks, or ranks whose shard
+    overflowed would skip a step the others take. ``ShardedGradScaler`` all-reduces that flag.
+    """
+
+    def __init__(self, precision: str, device_type: str) -> None:
+        scaler = ShardedGradScaler(device=device_type) if precision == "16-mixed" else None
+        super().__init__(precision, device_type, scaler=scaler)  # type: ignore[arg-type]

@@ -1,0 +1,49 @@
+"""A tiny Hugging Face Llama in a LightningModule, built from a config (no download); needs ``transformers``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning import LightningModule
+
+from testkit.models import VOCAB
+
+__all__ = ["TINY_LLAMA", "TinyLlama"]
+
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+class TinyLlama(LightningModule):
+    """``self.model`` is a ``LlamaForCausalLM``; its config is a hyper-parameter (a plain dict), as a recipe
+    that builds the model from a config keeps it. Batches are ``token_loader``'s ``(tokens, targets)``."""
+
+    def __init__(self, config: dict[str, Any] | None = None, lr: float = 1e-2) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if config is None:
+            config = LlamaConfig(**TINY_LLAMA).to_dict()
+        self.save_hyperparameters()
+        self.model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
