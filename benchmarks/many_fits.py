@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2")
 from fsdp_strategy import host_memory
-from fsdp_strategy.benchmark.gpt import GPT_SIZES
+from fsdp_strategy.tools.benchmark.gpt import GPT_SIZES
 
 from _model import BenchModel, build_model
 
