@@ -23,13 +23,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from _model import BenchModel, build_model
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_strategy  # noqa: F401  (registers "fsdp2")
 from fsdp_strategy import host_memory
 from fsdp_strategy.tools.benchmark.gpt import GPT_SIZES
-
-from _model import BenchModel, build_model
 
 
 class FailingModel(BenchModel):

@@ -3,7 +3,7 @@
 The test launches this file as a torchrun module. Each rank trains ``OddLM`` for a few steps per
 configuration and measures
 
-* its parameters, gradients and optimizer state (``fsdp_strategy.estimator.state_bytes.model_state_bytes``,
+* its parameters, gradients and optimizer state (``fsdp_strategy.sharding.state_bytes.model_state_bytes``,
   without the step counters the estimator leaves out) just before the last optimizer step, when all
   three exist, and the estimate of the live, already sharded model;
 * under fsdp2, the bytes that FSDP2's all-gathers and reduce-scatters move during the first
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_strategy
 from fsdp_strategy.estimator.model_state import estimate_module
-from fsdp_strategy.estimator.state_bytes import model_state_bytes
+from fsdp_strategy.sharding.state_bytes import model_state_bytes
 from integration_tests.conftest import torchrun
 from testkit.models import VOCAB, WIDTH, TinyLM, token_loader
 

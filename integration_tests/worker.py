@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy.estimator.state_bytes import model_state_bytes
+from fsdp_strategy.sharding.state_bytes import model_state_bytes
 from testkit.models import TinyGAN, TinyLM, token_loader
 
 

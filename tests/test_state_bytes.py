@@ -1,4 +1,4 @@
-"""``fsdp_strategy.estimator.state_bytes``: the bytes of parameters, gradients and optimizer state, as this rank
+"""``fsdp_strategy.sharding.state_bytes``: the bytes of parameters, gradients and optimizer state, as this rank
 holds them and whole, checked against counts worked out from shapes and dtypes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_strategy.estimator.state_bytes import (
+from fsdp_strategy.sharding.state_bytes import (
     full_bytes,
     held_bytes,
     model_state_bytes,

@@ -5,6 +5,6 @@
 * ``fit``: the simplest setting that fits a memory budget;
 * ``target``: a model class named as ``MODULE:Class`` (the command line, ``estimate``, the benchmark);
 * ``report``: every strategy at every world size, and the text table of the command;
-* ``state_bytes`` and ``live_tensors``: bytes of model state held, and of live tensors (measurement helpers
-  the monitor and the tests share with the estimator).
+* ``live_tensors``: bytes of live tensors in a real step, counted storage by storage (the monitor and the
+  tests measure with it what ``peak`` predicts).
 """

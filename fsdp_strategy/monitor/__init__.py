@@ -21,7 +21,7 @@ the first steps, what the estimator's step peak predicts), ``batches`` (samples 
 batch), ``timing`` (step boundaries without synchronizing), ``flops`` (one batch's FLOPs, the
 device's peak, MFU), ``estimator`` (the sharding plan's communication and model state, from the
 estimator), ``summary`` (per-rank rows to the summary and its table) and ``callback`` (the Lightning
-hooks calling them). The model state a rank holds is :mod:`fsdp_strategy.estimator.state_bytes`'s count.
+hooks calling them). The model state a rank holds is :mod:`fsdp_strategy.sharding.state_bytes`'s count.
 """
 
 from fsdp_strategy.monitor.callback import ShardingMonitor

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from fsdp_strategy.estimator.state_bytes import model_state_bytes
 from fsdp_strategy.monitor.batches import BatchCounter
 from fsdp_strategy.monitor.estimator import communication_estimate
 from fsdp_strategy.monitor.flops import BatchFlops, peak_flops_per_device
@@ -24,6 +23,7 @@ from fsdp_strategy.monitor.summary import (
 )
 from fsdp_strategy.monitor.timing import Clock, Point, between
 from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.sharding.state_bytes import model_state_bytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

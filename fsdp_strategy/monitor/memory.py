@@ -1,5 +1,5 @@
 """Memory of one rank: the process's resident set size (now, at its peak, its peak reset) and CUDA's
-peak allocated and reserved bytes. The model state a rank holds is counted by :mod:`fsdp_strategy.estimator.state_bytes`."""
+peak allocated and reserved bytes. The model state a rank holds is counted by :mod:`fsdp_strategy.sharding.state_bytes`."""
 
 from __future__ import annotations
 

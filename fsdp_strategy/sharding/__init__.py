@@ -7,5 +7,6 @@
 * ``deferred_init`` and ``deferred_replay``: a model built on the meta device, each rank's shards then
   initialized as an eager build would have;
 * ``unshard``: the plain module the user built, given back after a stage (as DDP leaves it);
-* ``pruning``: what a sharded unit cannot do (Lightning's ``ModelPruning``), refused before training.
+* ``pruning``: what a sharded unit cannot do (Lightning's ``ModelPruning``), refused before training;
+* ``state_bytes``: the bytes of model state a rank holds, and what they take whole.
 """

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fsdp_strategy._compat import forget_composable_state
-from fsdp_strategy.estimator.state_bytes import full_bytes, model_state_tensors
+from fsdp_strategy.sharding.state_bytes import full_bytes, model_state_tensors
 
 __all__ = [
     "ShardingSnapshot", "full_state_bytes", "gathered_parameters", "unshard",
