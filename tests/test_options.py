@@ -8,9 +8,12 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from torch.distributed.fsdp import OffloadPolicy
 
 from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.checkpoint import verify
+from fsdp_strategy.checkpoint.trainer_state import load_trainer_state
 from fsdp_strategy.options import STATE_DICT_TYPES, check_options
 from testkit.models import TinyLM, token_loader
 
@@ -40,7 +43,7 @@ _WRITES = {"auto": "file", "full": "file", "sharded": "directory"}
 
 
 @pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)
-def test_each_state_dict_type_writes_its_form_and_resumes(trainer_env, tmp_path, state_dict_type):
+def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_type):
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=FSDP2Strategy(state_dict_type=state_dict_type), max_steps=1,
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -50,14 +53,10 @@ def test_each_state_dict_type_writes_its_form_and_resumes(trainer_env, tmp_path,
     path = tmp_path / "step1.ckpt"
     trainer.save_checkpoint(path)
     assert ("file" if path.is_file() else "directory" if path.is_dir() else None) == _WRITES[state_dict_type]
-    trainer_env.fresh()
-    resumed = L.Trainer(
-        accelerator="cpu", devices=1, strategy=FSDP2Strategy(state_dict_type=state_dict_type), max_steps=2,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    resumed.fit(TinyLM(n_layer=1), token_loader(samples=8), ckpt_path=path)
-    assert resumed.global_step == 2  # it resumed from step 1 and trained one more
+    # What was written is a checkpoint of this step in that form (resuming from each form: test_trainer_smoke.py).
+    assert verify.looks_like_sharded_checkpoint(path) == (_WRITES[state_dict_type] == "directory")
+    step = load_trainer_state(path)["global_step"] if path.is_dir() else torch.load(path, weights_only=False)["global_step"]
+    assert step == 1
 
 
 @pytest.mark.parametrize(("option", "value", "error"), [("meta_init", 1, TypeError), ("shard_size", 0, ValueError)])
