@@ -22,7 +22,6 @@ from fsdp_strategy.sharding.precision import (
 )
 from testkit.models import TinyLM, token_loader
 
-
 # What each precision keeps the trained parameters in: fp32 for full and mixed precision, the low dtype for "-true".
 _PARAMETER_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.float32, "16-mixed": torch.float32,
                     "bf16-true": torch.bfloat16, "16-true": torch.float16}
@@ -48,7 +47,7 @@ def test_each_listed_precision_trains_a_step_and_an_unlisted_one_is_refused(trai
     assert any(not torch.equal(after[name].detach(), value) for name, value in before.items()), "the step moved nothing"
     # A precision outside the list is refused at construction, naming the Trainer option and the listed ones.
     trainer_env.fresh()
-    with pytest.raises(ValueError, match=re.escape(f"`Trainer(precision='64-true')`")) as refused:
+    with pytest.raises(ValueError, match=re.escape("`Trainer(precision='64-true')`")) as refused:
         L.Trainer(accelerator="cpu", devices=1, strategy="fsdp2", precision="64-true", logger=False)
     assert precision in str(refused.value)
 
