@@ -122,8 +122,13 @@ class AllocatorPeak(L.Callback):
             self._mode = None
 
 
-def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, warmup: bool = True) -> dict[str, Any]:
-    """Both peaks of one 1-rank fit of ``config`` (``strategy/precision/checkpointing``) on the benchmark GPT."""
+def measure(
+    config: str, model_args: dict, *, batch_size: int, seq_len: int, warmup: bool = True, accelerator: str = "cpu"
+) -> dict[str, Any]:
+    """Both peaks of one 1-rank fit of ``config`` (``strategy/precision/checkpointing``) on the benchmark GPT.
+
+    With ``accelerator="cuda"`` both sides count the GPU's memory: ``torch.cuda``'s allocated bytes and the
+    monitor's live CUDA tensors (not run by this project's tests, which need no GPU)."""
     from fsdp_strategy import FSDP2Strategy, ShardingMonitor
     from fsdp_strategy.estimator.live_tensors import LiveTensors, existing_tensors
     from fsdp_strategy.sharding.parallelize import apply_activation_checkpointing
@@ -140,7 +145,7 @@ def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, war
         if strategy == "ddp" and checkpointing is not None:
             apply_activation_checkpointing(select_modules(model, normalize_policy(checkpointing, option="checkpointing")))
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, precision=precision, max_steps=STEPS, limit_val_batches=0, logger=False,
+            accelerator=accelerator, devices=1, precision=precision, max_steps=STEPS, limit_val_batches=0, logger=False,
             strategy=strategy if strategy == "ddp" else FSDP2Strategy(
                 reshard_after_forward=strategy != "fsdp2_grad_op", activation_checkpointing_policy=checkpointing
             ),
@@ -155,10 +160,12 @@ def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, war
     if warmup:
         fit([])
         gc.collect()
-    with LiveTensors() as live:  # tensors alive before the model exists (the loader's), which both peaks include
+    cuda = accelerator == "cuda"
+    # Tensors alive before the model exists (on CPU the loader's), which both peaks include.
+    with LiveTensors(device="cuda" if cuda else None) as live:
         live.track(existing_tensors())
         tensors_before = live.current
-    allocator_before = host_in_use()
+    allocator_before = torch.cuda.memory_allocated() if cuda else host_in_use()
     allocator = AllocatorPeak(STEPS)
     monitor = ShardingMonitor(warmup_steps=1, count_flops=False, print_summary=False, live_tensor_steps=STEPS)
     fit([monitor, allocator])  # the monitor's mode is entered first: the sampler sees its bookkeeping
@@ -179,12 +186,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--no-warmup", action="store_true", help="measure the process's first fit")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
         os.environ.pop(name, None)  # the fit starts its own 1-rank group
     result = measure(args.config, json.loads(args.model_args), batch_size=args.batch_size, seq_len=args.seq_len,
-                     warmup=not args.no_warmup)
+                     warmup=not args.no_warmup, accelerator=args.accelerator)
     args.out.write_text(json.dumps(result))
 
 
