@@ -36,6 +36,30 @@ def test_fp32_parity_with_ddp(run_worker, nproc: int) -> None:
         assert_state_is_sharded(sharded)
 
 
+UNEVEN_VARIANTS = ["uneven_adamw", "uneven_sgd_accumulate_clip_norm", "uneven_adamw_clip_value_ac"]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_uneven_shards_parity_with_ddp(run_worker, nproc: int) -> None:
+    """Dimensions that ``nproc`` does not divide (testkit.models.UNEVEN): FSDP2 pads the last shards, down to a rank
+    that holds no row of a 5-row weight at 4 ranks; the padding must change neither the losses nor the parameters."""
+    results = run_worker(["--strategies", "fsdp2,ddp", "--variants", ",".join(UNEVEN_VARIANTS)], nproc=nproc)
+    for variant in UNEVEN_VARIANTS:
+        sharded, reference = results[f"fsdp2/{variant}"], results[f"ddp/{variant}"]
+        # The run trained the uneven shapes: each listed dimension, none of them a multiple of nproc but 26 at 2.
+        first_dims = {tensor.shape[0] for tensor in reference["params"].values()}
+        assert {37, 13, 5, 7} <= first_dims, (variant, first_dims)
+        assert max_relative_difference(sharded["params"], reference["params"]) <= 1e-5, variant
+        assert len(sharded["losses"]) >= 6
+        assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5), variant
+        for metric in ("val_loss", "val_accuracy"):
+            assert sharded["callback_metrics"][metric] == pytest.approx(reference["callback_metrics"][metric], rel=1e-5)
+        assert_state_is_sharded(sharded)
+        # The shards are uneven: the last rank holds less model state than the first.
+        held = [held for held, _ in sharded["state_bytes"]]
+        assert held[-1] < held[0], (variant, held)
+
+
 def test_manual_optimization_bf16_and_grad_op(run_worker) -> None:
     results = run_worker(["--strategies", "fsdp2,fsdp2_grad_op,ddp", "--variants", "gan,sgd,sgd_bf16,sgd_bf16_ac"], nproc=2)
     # GAN pattern: the generator loss goes through the discriminator updated earlier in the same step.

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
 from fsdp_strategy.sharding.state_bytes import model_state_bytes
-from testkit.models import TinyGAN, TinyLM, token_loader
+from testkit.models import TinyGAN, TinyLM, token_loader, uneven_lm
 
 
 class Recorder(L.Callback):
@@ -73,6 +73,11 @@ VARIANTS: dict[str, dict] = {
     "gan": {"model": "gan"},
     "empty_init": {"empty_init": True},
     "adamw_scheduler": {"scheduler": True},
+    # Parameters whose first dimension 2 and 4 ranks do not divide (testkit.models.UNEVEN): FSDP2 pads the last shards.
+    "uneven_adamw": {"model": "uneven"},
+    "uneven_sgd_accumulate_clip_norm": {"model": "uneven", "optimizer": "sgd", "accumulate": 2, "clip_val": 0.5},
+    "uneven_adamw_clip_value_ac": {"model": "uneven", "clip_val": 0.05, "clip_algorithm": "value",
+                                   "activation_checkpointing": True},
 }
 
 
@@ -137,6 +142,8 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
     with trainer.init_module(empty_init=variant.get("empty_init", False)):
         if variant.get("model") == "gan":
             model = TinyGAN()
+        elif variant.get("model") == "uneven":
+            model = uneven_lm(optimizer=variant.get("optimizer", "adamw"))
         else:
             model = TinyLM(optimizer=variant.get("optimizer", "adamw"), scheduler=variant.get("scheduler", False))
     if strategy_name == "ddp_initw":

@@ -12,14 +12,15 @@ VOCAB, WIDTH, SEQ = 32, 16, 8
 
 
 class Block(nn.Module):
-    def __init__(self, width: int = WIDTH) -> None:
+    def __init__(self, width: int = WIDTH, hidden: int | None = None) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.attn_q = nn.Linear(width, width)
         # No key bias: its gradient is exactly zero (softmax ignores a per-query constant), and AdamW
         # turns the summation-order noise of such a gradient into visible updates, hiding real parity.
         self.attn_k = nn.Linear(width, width, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        hidden = 2 * width if hidden is None else hidden
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -29,18 +30,35 @@ class Block(nn.Module):
 
 
 class TinyLM(LightningModule):
-    """Embedding tied to the output head, a ModuleList of blocks, and a parameter owned by the module itself."""
+    """Embedding tied to the output head, a ModuleList of blocks, and a parameter owned by the module itself.
 
-    def __init__(self, optimizer: str = "adamw", n_layer: int = 3, lr: float = 1e-2, scheduler: bool = False) -> None:
+    ``vocab``, ``width`` and ``hidden`` (each block's MLP width, one per layer) change the shapes: the defaults divide
+    evenly over 1, 2 and 4 ranks; :func:`uneven_lm` gives dimensions that do not (FSDP2's padded shards).
+    """
+
+    def __init__(
+        self,
+        optimizer: str = "adamw",
+        n_layer: int = 3,
+        lr: float = 1e-2,
+        scheduler: bool = False,
+        *,
+        vocab: int = VOCAB,
+        width: int = WIDTH,
+        hidden: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.optimizer_name, self.lr, self.scheduler = optimizer, lr, scheduler
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_layer))
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        hidden = hidden or (2 * width,) * n_layer
+        if len(hidden) != n_layer:
+            raise ValueError(f"`hidden` needs one width per layer ({n_layer}); got {hidden}")
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width, h) for h in hidden)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
-        self.scale = nn.Parameter(torch.ones(WIDTH))
-        self.val_accuracy = MulticlassAccuracy(num_classes=VOCAB, average="micro")
+        self.scale = nn.Parameter(torch.ones(width))
+        self.val_accuracy = MulticlassAccuracy(num_classes=vocab, average="micro")
 
     def reset_parameters(self) -> None:
         # Called for the module's own parameters when it is materialized from the meta device.
@@ -77,6 +95,17 @@ class TinyLM(LightningModule):
         if not self.scheduler:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
+
+
+# Row counts that 2 and 4 ranks do not divide: a vocabulary of 37 (shards of 19/18 rows, 10/10/10/7), a width of
+# 13 (every LayerNorm weight and bias, the scale, the attention projections and their biases: 4/4/4/1 rows at 4 ranks),
+# MLP widths of 5 (2/2/1/0: the last of 4 ranks holds no row), 7 and 26 (13/13 at 2 ranks, 7/7/7/5 at 4).
+UNEVEN = {"vocab": 37, "width": 13, "hidden": (5, 7, 26)}
+
+
+def uneven_lm(optimizer: str = "adamw") -> TinyLM:
+    """A :class:`TinyLM` whose parameters' first dimensions divide by neither 2 nor 4 (data: tokens below ``VOCAB``)."""
+    return TinyLM(optimizer=optimizer, n_layer=len(UNEVEN["hidden"]), **UNEVEN)
 
 
 def token_dataset(samples: int = 64, seed: int = 0) -> TensorDataset:

@@ -1,4 +1,4 @@
-"""``fsdp-strategy benchmark``: option checks, the report on made-up rows, and one real (tiny) run."""
+"""``fsdp-strategy benchmark``: option checks and the report on made-up rows (a real run: integration_tests/test_benchmark_run.py)."""
 
 from __future__ import annotations
 
@@ -184,27 +184,6 @@ def test_csv_json_table_and_plot_are_written(rows, tmp_path):
 
 
 # --- one real run ---------------------------------------------------------------------------------------------------
-
-
-def test_a_tiny_run_of_two_strategies_on_two_ranks(tmp_path, capsys, monkeypatch):
-    # The allocator recipe of docs/benchmarks.md is passed on to the jobs (they must run with it) and recorded.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
-    summary = run_benchmark(size="tiny", strategies=["fsdp2", "raw_fsdp2"], world_sizes=[2], steps=3, warmup=0,
-                            repeats=1, batch_size=2, seq_len=16, out=tmp_path, progress=False)
-    assert [(e["strategy"], e["world_size"]) for e in summary] == [("fsdp2", 2), ("raw_fsdp2", 2)]
-    for entry in summary:
-        assert entry["model_state_over_ideal"] == pytest.approx(1.0, abs=0.01)
-        assert entry["growth_bytes"] > 0 and entry["tokens_per_s"] > 0
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["config"]["machine"]["malloc_mmap_threshold"] == "4194304"
-    assert results["config"]["title"].endswith("; MALLOC_MMAP_THRESHOLD_=4194304")
-    rows = results["rows"]
-    assert len(rows) == 4 and {r["rank"] for r in rows} == {0, 1}
-    # The loss of the third step, after two updates: the same model, data and math on both sides.
-    assert rows[0]["loss_last"] == pytest.approx(rows[2]["loss_last"], rel=1e-5)
-    assert (tmp_path / "plot.png").is_file() and (tmp_path / "results.csv").is_file()
-    assert "| fsdp2 | 2 |" in capsys.readouterr().out
-
 
 
 def test_variants_carry_strategy_options_and_meta_init():

@@ -1,17 +1,15 @@
 """``consolidate_checkpoint`` and ``fsdp-strategy consolidate``: a sharded checkpoint directory to one Lightning file.
 
-Checkpoints are saved for real (on a 1-rank gloo group, by an in-process Trainer, and by two processes);
-consolidation and loading then run with no process group at all.
+Checkpoints are saved for real (on a 1-rank gloo group and by an in-process Trainer); consolidation and loading
+then run with no process group at all. A checkpoint saved by two processes, and the ``python -m fsdp_strategy``
+command, are in integration_tests/test_consolidate_processes.py.
 """
 
 from __future__ import annotations
 
 import enum
 import gc
-import os
 import pickle
-import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from fsdp_strategy.tools import consolidate as consolidate_module
 from fsdp_strategy.tools.cli import main
 from fsdp_strategy.tools.consolidate import consolidate_checkpoint
 from testkit import full
+from testkit.checkpoints import assert_same
 from testkit.models import TinyLM, token_loader
 
 # dcp.save(no_dist=True) writes the small hand-made checkpoints below; it warns that it runs without a group.
@@ -46,24 +45,6 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "state": {i: {key: full(value).clone() for key, value in s.items()} for i, s in state["state"].items()},
         "param_groups": state["param_groups"],
     }
-
-
-def assert_same(actual: Any, expected: Any, where: str = "") -> None:
-    """Equal structure and values; tensors bit for bit with the same dtype and shape; no DTensors."""
-    if isinstance(expected, torch.Tensor):
-        assert type(actual) is torch.Tensor, where
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}/{i}")
-    else:
-        assert type(actual) is type(expected) and actual == expected, where
 
 
 @dataclass
@@ -260,115 +241,6 @@ def test_trainer_checkpoint_consolidates_and_resumes_on_a_single_device(trainer_
     assert second.global_step == 3
 
 
-# The two ranks are started directly (torchrun's launcher would add a third interpreter) and import torch
-# only (Lightning's import alone costs seconds of CPU per process): the model is defined here, and the
-# package's modules are imported without its __init__ (which imports the strategy, hence Lightning), so
-# the layout is exactly the strategy's.
-TWO_RANK_SCRIPT = """
-import sys
-import types
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
-package = types.ModuleType("fsdp_strategy")
-package.__path__ = [sys.argv[3]]
-sys.modules["fsdp_strategy"] = package
-from fsdp_strategy.checkpoint import io as ckpt
-from fsdp_strategy.launch import rendezvous
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2))
-        self.head = nn.Linear(16, 32, bias=False)
-        self.head.weight = self.embed.weight
-        self.odd = nn.Parameter(torch.randn(5, 3))  # 5 rows split unevenly over 2 ranks
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x).square().mean() + self.odd.square().sum()
-
-
-def full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-dist.init_process_group("gloo")
-rendezvous.finish_collectives_at_exit()  # gloo threads finish before Python does (docs/gloo_exit_abort.py)
-torch.manual_seed(0)
-model = Model()
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-for block in model.blocks:
-    fully_shard(block, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-for step in range(2):
-    optimizer.zero_grad()
-    model(torch.arange(8) + step).backward()
-    optimizer.step()
-state = optimizer.state_dict()
-reference = {
-    "params": {name: full(value).clone() for name, value in model.state_dict().items()},
-    "optimizer": {
-        "state": {i: {k: full(v).clone() for k, v in s.items()} for i, s in state["state"].items()},
-        "param_groups": state["param_groups"],
-    },
-    "local_rows": model.odd.to_local().shape[0],
-}
-checkpoint = {
-    "state_dict": ckpt.model_state(model, full=False),
-    "optimizer_states": [ckpt.optimizer_state(model, optimizer, full=False)],
-    "global_step": 2,
-}
-ckpt.save_sharded(Path(sys.argv[1]), checkpoint, is_rank_zero=dist.get_rank() == 0)
-if dist.get_rank() == 0:
-    torch.save(reference, sys.argv[2])
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
-def test_checkpoint_saved_by_two_ranks(tmp_path):
-    script = tmp_path / "two_ranks.py"
-    script.write_text(TWO_RANK_SCRIPT)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    package = str(Path(ckpt.__file__).parent.parent)  # fsdp_strategy/, above checkpoint/
-    command = [sys.executable, str(script), str(tmp_path / "sharded"), str(tmp_path / "reference.pt"), package]
-    processes = []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-        with open(tmp_path / f"rank{rank}.log", "w") as log:
-            processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [process.wait(timeout=180) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()  # no-op for one that has exited
-    for rank, code in enumerate(codes):
-        assert code == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-    assert sorted(p.name for p in (tmp_path / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
-    assert reference["local_rows"] == 3  # rank 0 held 3 of the 5 rows, rank 1 two
-
-    out = consolidate_checkpoint(tmp_path / "sharded", tmp_path / "out.ckpt", progress=False)
-    checkpoint = torch.load(out, weights_only=False)
-    assert_same(checkpoint["state_dict"], reference["params"])
-    assert_same(checkpoint["optimizer_states"], [reference["optimizer"]])
-    assert checkpoint["global_step"] == 2
-
-
 # --- the command -----------------------------------------------------------------------------------------
 
 
@@ -388,17 +260,6 @@ def test_command_shows_progress_on_stderr_by_default(saved, tmp_path, capsys):
     assert main(["consolidate", str(saved.path), str(tmp_path / "out.ckpt")]) == 0
     err = capsys.readouterr().err
     assert "Consolidating" in err and f"{saved.tensors}/{saved.tensors}" in err
-
-
-def test_python_m_fsdp_strategy_consolidate(saved, tmp_path):
-    out = tmp_path / "out.ckpt"
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_strategy", "consolidate", str(saved.path), str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith(f"{out}: {saved.tensors} tensors, ")
-    assert_same(torch.load(out, weights_only=False)["optimizer_states"], saved.optimizers)
 
 
 # --- bad inputs ------------------------------------------------------------------------------------------

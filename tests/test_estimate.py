@@ -337,8 +337,8 @@ def test_load_target_errors():
 
 
 def test_bad_init_args_name_the_call():
-    with raises(ValueError, "Could not build TinyLM(width=3): TinyLM.__init__() got an unexpected keyword argument 'width'"):
-        estimate("testkit.models:TinyLM", init_args={"width": 3}, world_sizes=[1])
+    with raises(ValueError, "Could not build TinyLM(depth=3): TinyLM.__init__() got an unexpected keyword argument 'depth'"):
+        estimate("testkit.models:TinyLM", init_args={"depth": 3}, world_sizes=[1])
 
 
 def test_estimate_option_errors():

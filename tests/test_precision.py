@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -19,10 +20,36 @@ from fsdp_strategy.sharding.precision import (
     mixed_precision_policy,
     precision_plugin_for,
 )
+from testkit.models import TinyLM, token_loader
+
+# What each precision keeps the trained parameters in: fp32 for full and mixed precision, the low dtype for "-true".
+_PARAMETER_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.float32, "16-mixed": torch.float32,
+                    "bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
-def test_supported_precisions_are_the_documented_five():
-    assert SUPPORTED_PRECISIONS == ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+@pytest.mark.parametrize("precision", SUPPORTED_PRECISIONS)
+def test_each_listed_precision_trains_a_step_and_an_unlisted_one_is_refused(trainer_env, precision):
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="fsdp2", precision=precision, max_steps=1, limit_val_batches=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with trainer.init_module():  # "-true" precisions build the module in their dtype
+        # SGD: AdamW's eps of 1e-8 is 0 in fp16, and a zero second moment then divides by zero under "16-true" (as
+        # it does without sharding). On CPU Lightning runs "16-mixed" as "bf16-mixed" (with a warning).
+        model = TinyLM(optimizer="sgd", n_layer=1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.fit(model, token_loader(samples=4))
+    assert trainer.global_step == 1
+    after = dict(model.named_parameters())
+    assert {p.dtype for p in after.values()} == {_PARAMETER_DTYPE[precision]}, precision
+    assert all(p.isfinite().all() for p in after.values()), precision
+    assert any(not torch.equal(after[name].detach(), value) for name, value in before.items()), "the step moved nothing"
+    # A precision outside the list is refused at construction, naming the Trainer option and the listed ones.
+    trainer_env.fresh()
+    with pytest.raises(ValueError, match=re.escape("`Trainer(precision='64-true')`")) as refused:
+        L.Trainer(accelerator="cpu", devices=1, strategy="fsdp2", precision="64-true", logger=False)
+    assert precision in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -46,15 +47,42 @@ def test_the_roster_returns_every_member_once_all_have_joined() -> None:
     assert members == {0: _member(0, 0), 1: Member(rank=1, node_rank=1, local_rank=0, host="b", pid=7)}
 
 
-def test_a_peer_without_heartbeat_is_reported_lost_with_its_node() -> None:
+def _diagnose_a_lost_peer() -> str:
     membership = _membership(dist.HashStore(), ranks=3, per_node=2)
     membership.members[2] = _member(2, 1)
     membership.start()
     try:
-        message = membership.diagnose()
+        return membership.diagnose()
     finally:
         membership.stop()
-    assert message == (
+
+
+def _diagnose_live_peers() -> str:
+    store = dist.HashStore()
+    membership = _membership(store)
+    membership.step = 5
+    peer = _membership(store)  # rank 1's heartbeat, beating on the same store
+    peer.me = peer.members[1]
+    peer.step = 3
+    peer.start()
+    membership.start()
+    try:
+        return membership.diagnose()
+    finally:
+        peer.stop()
+        membership.stop()
+
+
+@pytest.fixture(scope="module")
+def diagnoses() -> dict[str, str]:
+    """Each diagnosis watches the heartbeats for its whole window (3 s at least); the two watch at the same time."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        lost, live = pool.submit(_diagnose_a_lost_peer), pool.submit(_diagnose_live_peers)
+        return {"lost": lost.result(), "live": live.result()}
+
+
+def test_a_peer_without_heartbeat_is_reported_lost_with_its_node(diagnoses) -> None:
+    assert diagnoses["lost"] == (
         "Lost 2 of 3 ranks: rank 1 (node 0, local rank 1, host host-a, pid 101); rank 2 (node 1, local rank 0,"
         " host host-a, pid 102) stopped responding (no heartbeat for 3.0 s). Every rank of node 1 is gone: that"
         " node was probably lost."
@@ -65,21 +93,8 @@ def test_without_heartbeats_the_diagnosis_says_it_cannot_tell() -> None:
     assert _membership(dist.HashStore()).diagnose() == "The heartbeats were not running, so the lost rank cannot be told."
 
 
-def test_live_peers_are_told_apart_by_their_global_step() -> None:
-    store = dist.HashStore()
-    membership = _membership(store)
-    membership.step = 5
-    peer = _membership(store)  # rank 1's heartbeat, beating on the same store
-    peer.me = peer.members[1]
-    peer.step = 3
-    peer.start()
-    membership.start()
-    try:
-        message = membership.diagnose()
-    finally:
-        peer.stop()
-        membership.stop()
-    assert message == (
+def test_live_peers_are_told_apart_by_their_global_step(diagnoses) -> None:
+    assert diagnoses["live"] == (
         "Every rank is still alive, so one of them did not reach the same collective in time (stuck, much slower,"
         " or on a different code path). Global step per rank: rank 0: 5, rank 1: 3. Rank 1 is behind."
     )

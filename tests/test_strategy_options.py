@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import fsdp_strategy
+import fsdp_strategy  # noqa: F401  (importing it registers the strategy names)
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.sharding.precision import (
     FSDP2HalfPrecision,
@@ -219,20 +219,26 @@ def test_process_group_backend_is_exposed():
 
 
 @pytest.mark.parametrize(
-    ("name", "init_params"),
+    ("name", "plan"),
     [
-        ("fsdp2", {}),
-        ("fsdp2_grad_op", {"reshard_after_forward": False}),
-        ("fsdp2_hybrid", {"hybrid": True}),
-        ("fsdp2_offload", {"cpu_offload": True}),
+        ("fsdp2", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False)),
+        ("fsdp2_grad_op", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=False, cpu_offload=False)),
+        ("fsdp2_hybrid", ShardingPlan(mesh_shape=(2, 2), reshard_after_forward=True, cpu_offload=False)),
+        ("fsdp2_find_unused_parameters_true", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False)),
     ],
 )
-def test_import_registers_strategy_names(name, init_params):
-    assert fsdp_strategy.FSDP2Strategy is FSDP2Strategy
-    entry = StrategyRegistry[name]
-    assert entry["strategy"] is FSDP2Strategy
-    assert entry["init_params"] == init_params
-    assert entry["description"]
+def test_each_registered_name_builds_the_strategy_it_promises(name, plan):
+    # Importing the package registered the name: a Trainer of 2 nodes x 2 devices builds an FSDP2Strategy with it.
+    strategy = cpu_trainer(strategy=name, devices=2, num_nodes=2).strategy
+    assert type(strategy) is FSDP2Strategy, name
+    assert strategy.sharding_plan() == plan
+    assert StrategyRegistry[name]["description"]
+
+
+def test_the_offload_name_asks_for_offloading_which_needs_cuda():
+    message = "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy="fsdp2_offload", devices=1)
 
 
 def test_grad_op_name_builds_a_strategy_that_keeps_parameters_gathered():

@@ -275,21 +275,17 @@ def test_a_model_without_repeated_blocks_trains_with_everything_in_the_root(trai
 
 
 def test_lightnings_own_consolidation_tool_reads_a_sharded_checkpoint(trainer_env, tmp_path):
-    import subprocess
-    import sys
+    # What `python -m lightning.pytorch.utilities.consolidate_checkpoint` runs, in this process (the command itself,
+    # in an interpreter of its own, is in integration_tests/test_consolidate_processes.py).
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
     model = TinyLM()
     first = trainer(tmp_path, max_steps=1, strategy=FSDP2Strategy(state_dict_type="sharded"))
     first.fit(model, loader())
     path = tmp_path / "sharded.ckpt"
     first.save_checkpoint(path)
-    out = tmp_path / "lightning_consolidated.ckpt"
-    subprocess.run(
-        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(path), "--output_file", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    state_dict = torch.load(out, weights_only=True)["state_dict"]
+    state_dict = _format_checkpoint(_load_distributed_checkpoint(path))["state_dict"]
     for name, param in model.named_parameters():
         assert torch.equal(state_dict[name], full(param)), name
 

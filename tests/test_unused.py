@@ -71,13 +71,18 @@ def test_a_parameter_no_rank_used_keeps_no_gradient(mesh) -> None:
 
 
 @needs_zeros
-def test_without_the_tracker_the_same_gradient_would_be_zeros(mesh) -> None:
-    # What the tracker undoes: set_reduce_scatter_unused_params fills unused gradients with zeros.
+def test_the_tracker_asks_for_zeros_and_takes_back_those_no_rank_needed(mesh) -> None:
+    # The tracker turns on FSDP2's zeros for unused parameters (so that the ranks' reduce-scatters have the same size),
+    # and after the backward it puts back the gradients that no rank used: zeros would move them under AdamW.
     model = sharded_branchy(mesh)
-    model.set_reduce_scatter_unused_params(True)
+    tracker = UnusedParameters(model)
+    tracker.before_backward()
     model(torch.ones(2, 4), "left").sum().backward()
     zeros = model.right.weight.grad
-    assert zeros is not None and not zeros.full_tensor().any()
+    assert zeros is not None and not zeros.full_tensor().any()  # reduced as zeros: the tracker asked for them
+    tracker.after_backward()
+    assert model.right.weight.grad is None and model.right.bias.grad is None
+    assert model.left.weight.grad is not None
 
 
 def test_an_existing_gradient_of_an_unused_parameter_is_left_as_it_was(mesh) -> None:
