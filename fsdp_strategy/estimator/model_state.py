@@ -22,36 +22,29 @@ for a group of one rank, where FSDP2 copies instead of communicating.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from fsdp_strategy._compat import sharded_units
+from fsdp_strategy.estimator.groups import (
+    GroupSizes,
+    UnitGroup,
+    canonical_precision,
+    group_sizes,
+    plan_groups,
+)
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.mesh import resolve_mesh_shape
-from fsdp_strategy.sharding.parallelize import plan_units
-from fsdp_strategy.sharding.policy import PolicyInput, normalize_policy
-from fsdp_strategy.sharding.precision import (
-    FULL_PRECISION_POLICY,
-    SUPPORTED_PRECISIONS,
-    is_normalization,
-    mixed_precision_policy,
-)
+from fsdp_strategy.sharding.policy import PolicyInput
 
 __all__ = [
-    "ACCEPTED_PRECISIONS",
     "OPTIMIZERS",
     "STRATEGIES",
     "Estimate",
-    "canonical_precision",
     "check_optimizer",
     "estimate_module",
     "node_size_mismatch",
-    "unique_parameters",
 ]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
@@ -70,12 +63,6 @@ _STEP_COUNTER_BYTES = 4  # Adam's per-parameter fp32 "step" scalar
 # module's own forward nested inside it leaves the root's state idle, so the end of training_step frees
 # the root and backward gathers it again. The plan keeps everything else out of the root for that reason.
 _ROOT_GATHERS_PER_MICRO_BATCH = 2
-# The short spellings Lightning still accepts for Trainer(precision=...).
-_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-# What `precision` accepts: the supported precisions, then the aliases (the CLI's choices).
-ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
-_HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-
 
 
 @dataclass(frozen=True)
@@ -197,17 +184,6 @@ def check_optimizer(optimizer: str) -> None:
         raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
 
 
-def canonical_precision(precision: str) -> str:
-    """``precision`` as one of :data:`SUPPORTED_PRECISIONS` (Lightning's short aliases accepted)."""
-    canonical = _PRECISION_ALIASES.get(str(precision), str(precision))
-    if canonical not in SUPPORTED_PRECISIONS:
-        raise ValueError(
-            f"`precision` must be one of {', '.join(SUPPORTED_PRECISIONS)} (or Lightning's aliases"
-            f" {', '.join(_PRECISION_ALIASES)}); got {precision!r}."
-        )
-    return canonical
-
-
 def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
     """``(replicate, shard)`` and a note on how it was chosen."""
     if strategy == "ddp":
@@ -234,155 +210,6 @@ def node_size_mismatch(processes_per_node: int, world_size: int) -> str:
         f"`processes_per_node={processes_per_node}` must divide the world size {world_size}: fsdp2_hybrid"
         " shards within a node and replicates across nodes."
     )
-
-
-# --- what the strategy would shard -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    shape: tuple[int, ...]
-    storage: int  # bytes per element of the kept (master) parameter, its gradient and optimizer state
-    compute: int  # bytes per element when gathered
-    reduce: int  # bytes per element when reduced
-    trainable: bool
-    name: str = ""  # qualified name in the module (a tied parameter's first name)
-
-
-@dataclass(frozen=True)
-class UnitGroup:
-    """The parameters of one FSDP unit (or the whole model under DDP)."""
-
-    params: list[ParamInfo]
-    is_root: bool = False
-    # None: gathered again in backward unless the strategy keeps units gathered (fsdp2_grad_op);
-    # False: gathered once per micro-batch (the norm group and the rest of the model).
-    reshard_after_forward: bool | None = None
-    name: str = ""  # the unit's modules, qualified and comma-joined ("" for the root and for DDP's single group)
-
-
-def plan_groups(module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto") -> list[UnitGroup]:
-    """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group)."""
-    precision = canonical_precision(precision)
-    if strategy == "ddp":
-        params = unique_parameters(module)
-        return [UnitGroup(_param_infos(params, precision, mixed_precision_policy(precision), _names(module)))]
-    return _unit_groups(module, precision, wrap_policy)
-
-
-def _names(module: nn.Module) -> dict[int, str]:
-    return {id(param): name for name, param in module.named_parameters()}
-
-
-def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[UnitGroup]:
-    """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
-    # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
-    low = mixed_precision_policy(precision)
-    units: list[tuple[list[nn.Module], MixedPrecisionPolicy | None, bool | None]]
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        # Already sharded: its units are the modules fully_shard was applied to, grouped as sharded.
-        units = []
-        for members, reshard_after_forward in sharded_units(module):
-            norms = low is not None and all(is_normalization(m) for m in members)
-            units.append((members, FULL_PRECISION_POLICY if norms else low, reshard_after_forward))
-    else:
-        policy = normalize_policy(wrap_policy, option="wrap_policy")
-        planned = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
-        units = [(list(u.modules), u.mp_policy, u.reshard_after_forward) for u in planned]
-    owners = _assign_parameters(module, [[id(m) for m in members] for members, _, _ in units])
-    names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
-    root = UnitGroup(_param_infos(owners.pop(-1), precision, low, names), is_root=True)
-    return [root, *(
-        UnitGroup(
-            _param_infos(owners[i], precision, policy, names),
-            name=",".join(modules[id(m)] for m in members),
-            reshard_after_forward=reshard,
-        )
-        for i, (members, policy, reshard) in enumerate(units)
-    )]
-
-
-def _assign_parameters(module: nn.Module, units: list[list[int]]) -> dict[int, list[nn.Parameter]]:
-    """Each parameter under the innermost unit that contains it (key -1, the root, when none does), once;
-    ``units`` lists each unit's module ids."""
-    unit_of = {key: index for index, members in enumerate(units) for key in members}
-    owners: dict[int, list[nn.Parameter]] = {-1: [], **{index: [] for index in range(len(units))}}
-    seen: set[int] = set()
-    stack = [(module, -1)]
-    while stack:
-        current, owner = stack.pop()
-        owner = unit_of.get(id(current), owner) if current is not module else -1
-        for param in current.parameters(recurse=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                owners[owner].append(param)
-        stack.extend((child, owner) for child in current.children())
-    return owners
-
-
-def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """``module``'s parameters, a tied one once."""
-    return list({id(p): p for p in module.parameters()}.values())
-
-
-def _param_infos(
-    params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None, names: dict[int, str]
-) -> list[ParamInfo]:
-    infos = []
-    half = _HALF_DTYPES.get(precision)
-    for param in params:
-        floating = param.is_floating_point()
-        storage = half if half is not None and floating else param.dtype  # *-true casts the whole model
-        compute = policy.param_dtype if policy is not None and policy.param_dtype and floating else storage
-        reduce = policy.reduce_dtype if policy is not None and policy.reduce_dtype and floating else compute
-        infos.append(
-            ParamInfo(
-                shape=tuple(param.shape),  # a DTensor's shape is the global one
-                storage=storage.itemsize,
-                compute=compute.itemsize,
-                reduce=reduce.itemsize,
-                trainable=param.requires_grad,
-                name=names.get(id(param), ""),
-            )
-        )
-    return infos
-
-
-# --- counting ---------------------------------------------------------------------------------------
-
-
-def shard_numel(shape: tuple[int, ...], shards: int) -> int:
-    """Elements of rank 0's shard: FSDP2 splits dim 0 into ``shards`` chunks, the first one largest."""
-    rows = shape[0] if shape else 1
-    return math.ceil(rows / shards) * (math.prod(shape[1:]) if shape else 1)
-
-
-@dataclass(frozen=True)
-class GroupSizes:
-    """Byte totals of one group at one shard size."""
-
-    sharded: int  # rank 0's shards of all parameters, storage dtype
-    sharded_trainable: int  # of the trainable ones (gradients)
-    sharded_trainable_reduce: int  # the gradient shard in reduce dtype (hybrid's all-reduce)
-    gathered: int  # full padded parameters in compute dtype
-    gathered_grads: int  # full padded gradients in compute dtype (unsharded, before reduction)
-    reduced: int  # full padded gradients in reduce dtype (reduce-scatter input)
-    step_counters: int  # trainable parameter tensors (one optimizer step counter each)
-
-
-def group_sizes(group: UnitGroup, shards: int) -> GroupSizes:
-    sharded = sharded_trainable = sharded_reduce = gathered = gathered_grads = reduced = counters = 0
-    for p in group.params:
-        numel = shard_numel(p.shape, shards)
-        sharded += numel * p.storage
-        gathered += numel * shards * p.compute
-        if p.trainable:
-            sharded_trainable += numel * p.storage
-            sharded_reduce += numel * p.reduce
-            gathered_grads += numel * shards * p.compute
-            reduced += numel * shards * p.reduce
-            counters += 1
-    return GroupSizes(sharded, sharded_trainable, sharded_reduce, gathered, gathered_grads, reduced, counters)
 
 
 def _optimizer_bytes(grad_bytes: int, step_counters: int, optimizer: str) -> int:

@@ -21,13 +21,13 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_strategy.estimator.model_state import (
-    Estimate,
+from fsdp_strategy.estimator.groups import (
     UnitGroup,
     group_sizes,
     plan_groups,
     shard_numel,
 )
+from fsdp_strategy.estimator.model_state import Estimate
 from fsdp_strategy.estimator.trace import StepTrace, trace_step
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput
 

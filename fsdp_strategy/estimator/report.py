@@ -19,14 +19,13 @@ import torch
 from torch import nn
 
 from fsdp_strategy.estimator.fit import Recommendation, fit_budget
+from fsdp_strategy.estimator.groups import canonical_precision, unique_parameters
 from fsdp_strategy.estimator.model_state import (
     STRATEGIES,
     Estimate,
-    canonical_precision,
     check_optimizer,
     estimate_module,
     node_size_mismatch,
-    unique_parameters,
 )
 from fsdp_strategy.estimator.peak import StepPeaks
 from fsdp_strategy.estimator.target import load_function, load_target

@@ -6,7 +6,7 @@ tensors (shapes and dtypes, no memory, no process group), the way Lightning runs
 alive until ``zero_grad`` just before backward. A :class:`~fsdp_strategy.estimator.live_tensors.LiveTensors` mode counts
 op by op the bytes of every tensor that is neither a parameter, a buffer nor a parameter's gradient (saved
 activations, temporaries, gradients of activations, the batch), and hooks record when each unit of the
-sharding plan (:func:`fsdp_strategy.estimator.model_state.plan_groups`) starts and ends its forward and its backward and when
+sharding plan (:func:`fsdp_strategy.estimator.groups.plan_groups`) starts and ends its forward and its backward and when
 each parameter's gradient appears.
 
 Parameters under ``*-mixed`` are traced in the dtype the strategy computes with: FSDP2 gathers them in bf16
@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from fsdp_strategy._compat import FakeTensorMode, is_fake, tree_flatten, tree_map
+from fsdp_strategy.estimator.groups import UnitGroup
 from fsdp_strategy.estimator.live_tensors import OTHER, LiveTensors
-from fsdp_strategy.estimator.model_state import UnitGroup
 from fsdp_strategy.sharding.parallelize import apply_activation_checkpointing
 from fsdp_strategy.sharding.policy import ModulePolicy, class_name, select_modules
 from fsdp_strategy.sharding.precision import precision_plugin_for

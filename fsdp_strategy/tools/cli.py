@@ -91,11 +91,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
-    from fsdp_strategy.estimator.model_state import (
-        ACCEPTED_PRECISIONS,
-        OPTIMIZERS,
-        STRATEGIES,
-    )
+    from fsdp_strategy.estimator.groups import ACCEPTED_PRECISIONS
+    from fsdp_strategy.estimator.model_state import OPTIMIZERS, STRATEGIES
 
     parser = commands.add_parser(
         "estimate",
