@@ -36,6 +36,7 @@ def create(directory: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_strategy.checkpoint import io as ckpt
+    from fsdp_strategy.checkpoint import writing
     from fsdp_strategy.launch import rendezvous
     from fsdp_strategy.sharding.mesh import build_device_mesh
 
@@ -48,7 +49,7 @@ def create(directory: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     state = {"state_dict": get_model_state_dict(model), "optimizer_states": [], "hyper_parameters": {}}
-    ckpt.save_sharded(directory, state, is_rank_zero=dist.get_rank() == 0)
+    writing.save_sharded(directory, state, is_rank_zero=dist.get_rank() == 0)
     dist.destroy_process_group()
 
 

@@ -16,12 +16,12 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fsdp_strategy
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from testkit.models import TinyLM, token_loader
 
 
 def die_in_save(k: int) -> None:
-    publish, calls = ckpt.publish, []
+    publish, calls = writing.publish, []
 
     def publish_or_die(staging, path):  # type: ignore[no-untyped-def]
         calls.append(path)
@@ -29,7 +29,7 @@ def die_in_save(k: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         publish(staging, path)
 
-    ckpt.publish = publish_or_die
+    writing.publish = publish_or_die
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.data import DataLoader
 
 import fsdp_strategy
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from testkit.models import TinyLM, token_dataset
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -54,7 +54,7 @@ class FailAtStep(L.Callback):
 
 
 def kill_in_save(k: int, out: Path) -> None:
-    save, calls = ckpt.save_sharded, []
+    save, calls = writing.save_sharded, []
 
     def save_or_die(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -62,11 +62,11 @@ def kill_in_save(k: int, out: Path) -> None:
             die(out)
         return save(*args, **kwargs)
 
-    ckpt.save_sharded = save_or_die
+    writing.save_sharded = save_or_die
 
 
 def kill_in_publish(k: int, out: Path) -> None:
-    publish, calls = ckpt.publish, []
+    publish, calls = writing.publish, []
 
     def publish_or_die(staging, path):  # type: ignore[no-untyped-def]
         calls.append(path)
@@ -74,7 +74,7 @@ def kill_in_publish(k: int, out: Path) -> None:
             die(out)
         publish(staging, path)
 
-    ckpt.publish = publish_or_die
+    writing.publish = publish_or_die
 
 
 class Timeline(L.Callback):

@@ -36,6 +36,7 @@ package = types.ModuleType("fsdp_strategy")
 package.__path__ = [sys.argv[3]]
 sys.modules["fsdp_strategy"] = package
 from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.launch import rendezvous
 
 
@@ -86,7 +87,7 @@ checkpoint = {
     "optimizer_states": [ckpt.optimizer_state(model, optimizer, full=False)],
     "global_step": 2,
 }
-ckpt.save_sharded(Path(sys.argv[1]), checkpoint, is_rank_zero=dist.get_rank() == 0)
+writing.save_sharded(Path(sys.argv[1]), checkpoint, is_rank_zero=dist.get_rank() == 0)
 if dist.get_rank() == 0:
     torch.save(reference, sys.argv[2])
 dist.barrier()

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.checkpoint.trainer_state import TRAINER_STATE_FILENAME
 from fsdp_strategy.sharding.parallelize import (
     apply_fully_shard,
@@ -77,7 +78,7 @@ def test_sharded_round_trip_is_bit_exact_for_model_and_optimizer(mesh, tmp_path)
         "epoch": 0,
     }
     assert all(isinstance(t, DTensor) for t in checkpoint["state_dict"].values())
-    ckpt.save_sharded(path, checkpoint, is_rank_zero=True)
+    writing.save_sharded(path, checkpoint, is_rank_zero=True)
     assert (path / TRAINER_STATE_FILENAME).is_file()
     assert (path / ".metadata").is_file()  # DCP's own index
     assert ckpt.is_sharded_checkpoint(path)
@@ -125,7 +126,7 @@ def test_saving_and_loading_optimizer_state_never_steps_the_optimizer_nor_drops_
     assert sharded["state"] == {} and whole["state"] == {}
     assert sharded["param_groups"][0]["params"] == [name for name, _ in model.named_parameters()]
     assert whole["param_groups"][0]["params"] == list(range(len(list(model.parameters()))))
-    ckpt.save_sharded(tmp_path / "ck", {"state_dict": ckpt.model_state(model, full=False), "optimizer_states": [sharded]}, is_rank_zero=True)
+    writing.save_sharded(tmp_path / "ck", {"state_dict": ckpt.model_state(model, full=False), "optimizer_states": [sharded]}, is_rank_zero=True)
     ckpt.load_sharded_optimizers(tmp_path / "ck", model, [optimizer], [sharded])
     ckpt.load_full_optimizers([optimizer], [whole])
     assert optimizer.steps == 0

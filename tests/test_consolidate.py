@@ -27,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_strategy import CheckpointError, FSDP2Strategy
 from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.tools import consolidate as consolidate_module
 from fsdp_strategy.tools.cli import main
 from fsdp_strategy.tools.consolidate import consolidate_checkpoint
@@ -85,7 +86,7 @@ def save_sharded_tinylm(mesh, path: Path) -> Saved:
         "hyper_parameters": {"lr": 1e-2, "n_layer": 3, "optimizer": "adamw"},
         "pytorch-lightning_version": L.__version__,
     }
-    ckpt.save_sharded(path, checkpoint, is_rank_zero=True)
+    writing.save_sharded(path, checkpoint, is_rank_zero=True)
     saved.tensors = sum(
         1 for md in FileSystemReader(path).read_metadata().state_dict_metadata.values() if hasattr(md, "size")
     )

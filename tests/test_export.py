@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsdp_strategy import consolidate_checkpoint, export_safetensors
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.tools.cli import main
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -36,7 +36,7 @@ def lightning_checkpoint(state: dict[str, torch.Tensor]) -> dict:
 @pytest.fixture
 def sharded(single_rank_group, tmp_path: Path) -> Path:
     path = tmp_path / "sharded.ckpt"
-    ckpt.save_sharded(path, lightning_checkpoint(weights()), is_rank_zero=True)
+    writing.save_sharded(path, lightning_checkpoint(weights()), is_rank_zero=True)
     return path
 
 

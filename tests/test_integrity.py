@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
 from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.errors import CheckpointError
 from fsdp_strategy.checkpoint.trainer_state import (
@@ -542,7 +543,7 @@ def one_block_checkpoint(mesh, tmp_path) -> Path:
     torch.manual_seed(0)
     model = sharded(TinyLM(n_layer=1), mesh)
     path = tmp_path / "ck"
-    ckpt.save_sharded(path, {"state_dict": ckpt.model_state(model, full=False), "epoch": 0}, is_rank_zero=True)
+    writing.save_sharded(path, {"state_dict": ckpt.model_state(model, full=False), "epoch": 0}, is_rank_zero=True)
     return path
 
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.checkpoint import background, saving
+from fsdp_strategy.checkpoint import background, saving, writing
 from fsdp_strategy.checkpoint import io as ckpt
 from fsdp_strategy.checkpoint.saving import CheckpointSaveError
 from testkit import full
@@ -64,13 +64,13 @@ def test_the_shard_writer_keeps_the_errno_that_dcp_would_lose_on_its_way_to_ever
         with pytest.raises(CheckpointException) as plain:
             dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "plain"))
         with pytest.raises(CheckpointException) as ours:
-            dcp.save(state, storage_writer=ckpt.ShardWriter(tmp_path / "ours"))
+            dcp.save(state, storage_writer=writing.ShardWriter(tmp_path / "ours"))
     finally:
         disk.uninstall()
     # DCP hands every rank a pickled copy of the failing rank's error, without its __context__.
     hidden = plain.value.failures[0][0]
-    assert isinstance(hidden, RuntimeError) and "unexpected pos" in str(hidden) and ckpt.os_error_in(hidden) is None
-    assert ckpt.os_error_in(ours.value.failures[0][0]).errno == errno.ENOSPC
+    assert isinstance(hidden, RuntimeError) and "unexpected pos" in str(hidden) and writing.os_error_in(hidden) is None
+    assert writing.os_error_in(ours.value.failures[0][0]).errno == errno.ENOSPC
     message, code = saving.describe_failure(ours.value, checkpoint=tmp_path / "step=4.ckpt", rank=1)
     assert message == f"no space left on device in '{tmp_path}' (rank 0 was writing)" and code == errno.ENOSPC
 
@@ -100,12 +100,12 @@ def test_settle_reraises_a_checkpoint_io_plugins_own_error_as_ddp_does(single_ra
 
 def test_a_full_file_that_fails_to_write_leaves_no_staging_and_the_older_file_intact(tmp_path):
     path = tmp_path / "new" / "dir" / "last.ckpt"
-    ckpt.save_full_file(path, {"state_dict": {"w": torch.ones(3)}}, "t1")  # creates the directory, as Lightning does
+    writing.save_full_file(path, {"state_dict": {"w": torch.ones(3)}}, "t1")  # creates the directory, as Lightning does
     disk = Disk(path.parent, room=100).install()
     disk.arm()
     try:
         with pytest.raises(RuntimeError, match="unexpected pos"):
-            ckpt.save_full_file(path, {"state_dict": {"w": torch.zeros(1000)}}, "t2")
+            writing.save_full_file(path, {"state_dict": {"w": torch.zeros(1000)}}, "t2")
     finally:
         disk.uninstall()
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
@@ -146,7 +146,7 @@ def _dead_pid() -> int:
 
 
 def _staging(directory: Path, token: str, *, age: float = 3600) -> Path:
-    entry = directory / f"{ckpt.PARTIAL_PREFIX}{token}"
+    entry = directory / f"{writing.PARTIAL_PREFIX}{token}"
     entry.mkdir()
     (entry / "__0_0.distcp").write_bytes(b"shard")
     past = time.time() - age

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import writing
 
 __all__ = ["SAVE_ERRORS", "BackgroundSave", "Outcome", "live_storages", "snapshot"]
 
@@ -121,7 +121,7 @@ class BackgroundSave:
         outcome = self.wait()
         if outcome is not None and outcome.error is not None and outcome.staging is not None:
             with contextlib.suppress(OSError):  # best effort: the stage ended with another error
-                ckpt.remove_path(outcome.staging)
+                writing.remove_path(outcome.staging)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

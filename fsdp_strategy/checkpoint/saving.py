@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy.checkpoint import io as ckpt
-from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.checkpoint import storage, writing
 from fsdp_strategy.checkpoint.background import SAVE_ERRORS, BackgroundSave, snapshot
 from fsdp_strategy.checkpoint.trainer_state import (
     check_trainer_state,
@@ -109,7 +109,7 @@ def remove_stale_staging(directory: Path | str) -> list[Path | str]:
     removed: list[Path | str] = []
     unknown = []
     try:
-        entries = [e for e in Path(directory).iterdir() if e.name.startswith(ckpt.PARTIAL_PREFIX)]
+        entries = [e for e in Path(directory).iterdir() if e.name.startswith(writing.PARTIAL_PREFIX)]
     except OSError:
         return []
     for entry in entries:
@@ -120,7 +120,7 @@ def remove_stale_staging(directory: Path | str) -> list[Path | str]:
             if owner is None or owner[0] != _host_id():
                 unknown.append(entry)
             elif not _process_runs(owner[1]):
-                ckpt.remove_path(entry)
+                writing.remove_path(entry)
                 removed.append(entry)
         except FileNotFoundError:  # removed meanwhile, e.g. by the job that wrote it
             continue
@@ -191,7 +191,7 @@ def _timestamp(stamp: Any) -> float:
 
 
 def _owner(name: str) -> tuple[str, int] | None:
-    prefix = next((p for p in (ckpt.PARTIAL_PREFIX, storage.DATA_PREFIX) if name.startswith(p)), None)
+    prefix = next((p for p in (writing.PARTIAL_PREFIX, storage.DATA_PREFIX) if name.startswith(p)), None)
     if prefix is None:
         return None
     parts = name[len(prefix) :].split("-")
@@ -238,7 +238,7 @@ def describe_failure(error: BaseException, *, checkpoint: Path | str, rank: int)
     failing_rank, cause = rank, error
     if isinstance(error, CheckpointException) and error.failures:
         failing_rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
-    os_error = ckpt.os_error_in(cause)
+    os_error = writing.os_error_in(cause)
     where = storage.parent(checkpoint) if storage.is_url(checkpoint) else Path(checkpoint).parent
     free = _free_bytes(where) if os_error is None and isinstance(where, Path) else None
     if os_error is None and free is not None and free < _NEARLY_FULL_BYTES:
@@ -297,7 +297,7 @@ def _discard(staging: Path | str) -> None:
     # removing the same files at the same time.
     for _ in range(3):
         try:
-            ckpt.remove_path(staging)
+            writing.remove_path(staging)
             return
         except FileNotFoundError:
             continue
@@ -337,25 +337,25 @@ def save_sharded(
     With ``background`` the writing continues in DCP's thread over the process group ``group()``;
     its outcome is settled by the next wait.
     """
-    staging = ckpt.staging_path(path, token)
+    staging = writing.staging_path(path, token)
     tensors, rest = ckpt.split_checkpoint(checkpoint)
     # Refuse trainer state that torch.save cannot write, on every rank, before any rank starts writing.
     trainer_state_data = check_trainer_state(rest, checkpoint=path)
-    if background is None:  # ckpt.save_sharded splits the checkpoint again
+    if background is None:  # writing.save_sharded splits the checkpoint again
         error = attempt(lambda: _save_and_publish(staging, path, checkpoint, rank=rank))
         settle(error, checkpoint=path, staging=staging, rank=rank)
         return
     # Tensors are copied to host memory before async_save returns, and the trainer state is pickled
     # already (the bytes written to meta.pt); training may change both after.
-    future = dcp.async_save(tensors, storage_writer=ckpt.shard_writer(staging), process_group=group())
-    finish = (lambda: (write_trainer_state(staging, trainer_state_data), ckpt.publish(staging, path))) if rank == 0 else None
+    future = dcp.async_save(tensors, storage_writer=writing.shard_writer(staging), process_group=group())
+    finish = (lambda: (write_trainer_state(staging, trainer_state_data), writing.publish(staging, path))) if rank == 0 else None
     background.submit(future, checkpoint=path, staging=staging, then=finish)
 
 
 def _save_and_publish(staging: Path | str, path: Path | str, checkpoint: dict[str, Any], *, rank: int) -> None:
-    ckpt.save_sharded(staging, checkpoint, is_rank_zero=rank == 0)
+    writing.save_sharded(staging, checkpoint, is_rank_zero=rank == 0)
     if rank == 0:
-        ckpt.publish(staging, path)
+        writing.publish(staging, path)
 
 
 def save_full(
@@ -372,12 +372,12 @@ def save_full(
     With ``background`` rank 0 writes a :func:`snapshot` of the tensors in ``live()`` storages on a
     thread; every rank records the save, so that the next wait settles it on all of them.
     """
-    staging = ckpt.staging_path(path, token)
+    staging = writing.staging_path(path, token)
     if background is not None:
-        work = partial(ckpt.save_full_file, path, snapshot(checkpoint, live()), token) if rank == 0 else None
+        work = partial(writing.save_full_file, path, snapshot(checkpoint, live()), token) if rank == 0 else None
         background.submit(work, checkpoint=path, staging=staging)
         return
-    error = attempt(lambda: ckpt.save_full_file(path, checkpoint, token)) if rank == 0 else None
+    error = attempt(lambda: writing.save_full_file(path, checkpoint, token)) if rank == 0 else None
     settle(error, checkpoint=path, staging=staging, rank=rank)
 
 
@@ -427,5 +427,5 @@ def check_checkpoint_io(plugin: CheckpointIO, *, sharded: bool, async_save: bool
 def remover(plugin: CheckpointIO) -> Callable[[Any], Any]:
     """How a replaced checkpoint is removed: by the plugin, or (staged files and shard directories) here."""
     if is_default_checkpoint_io(plugin):
-        return lambda path: ckpt.remove_path(storage.location(path))
+        return lambda path: writing.remove_path(storage.location(path))
     return plugin.remove_checkpoint
