@@ -22,11 +22,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["HOST_MEMORY_MODES", "HeapStats", "available", "heap_stats", "release", "supported"]
-
-# "keep": leave the allocator alone. "release": hand free heap pages back after sharding (the eager full model
-# freed) and at each phase end of a training step: after forward, after backward, after the optimizer step.
-HOST_MEMORY_MODES = ("keep", "release")
+__all__ = ["HeapStats", "available", "heap_stats", "release", "supported"]
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,16 @@ is tested through ``FSDP2Strategy`` in test_strategy_options.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from torch.distributed.fsdp import OffloadPolicy
 
-from fsdp_strategy.options import STATE_DICT_TYPES, check_options
+from fsdp_strategy.options import STATE_DICT_TYPES, Options, check_options
+from fsdp_strategy.strategy import FSDP2Strategy
 
 DEFAULTS = dict(
     wrap_policy="auto", activation_checkpointing_policy=None, reshard_after_forward=True, hybrid=False,
@@ -36,3 +39,12 @@ def test_plain_values_become_the_forms_the_strategy_uses(tmp_path):
 def test_a_wrong_value_is_refused_by_the_options_module_itself(option, value, error):
     with pytest.raises(error, match=f"`{option}`"):
         check_options(**{**DEFAULTS, option: value})
+
+
+def test_every_strategy_parameter_is_an_option_and_every_option_a_parameter():
+    # A new option declared in one place only would be half-declared: accepted and ignored, or never settable.
+    parameters = set(inspect.signature(FSDP2Strategy.__init__).parameters) - {"self"}
+    checked = set(inspect.signature(check_options).parameters)
+    # `cpu_offload` is kept as the offload policy it selects.
+    fields = {field.name for field in dataclasses.fields(Options)} - {"offload_policy"} | {"cpu_offload"}
+    assert parameters == checked == fields
