@@ -1,5 +1,6 @@
 """Checkpoints of sharded models: a Distributed Checkpoint directory, or one full Lightning file.
 
+* ``manager``: ``CheckpointManager``, what the strategy does with checkpoints (format, saves, loads, restores);
 * ``io``: what a save writes and a load reads (model and optimizer state, full or sharded);
 * ``saving``: a save that ends together on every rank, staged and renamed into place;
 * ``background``: saves that run while training goes on;

@@ -5,9 +5,10 @@ Each takes only what it needs and works without Lightning; ``FSDP2Strategy.setup
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from fsdp_strategy.sharding.precision import FULL_PRECISION_POLICY, is_normaliza
 from fsdp_strategy.step.hooks import StepHook
 
 __all__ = [
+    "no_gradient_sync",
     "ShardedStepHook",
     "STEP_METHODS",
     "ShardedUnit",
@@ -292,6 +294,19 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
 def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, list[str]]) -> bool:
     prefix = name + "."
     return any(not other.startswith(prefix) for p in module.parameters() for other in owners[id(p)])
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module | None, *, unless: bool) -> Generator[None, None, None]:
+    """Gradients accumulate unreduced inside (FSDP2's ``no_sync``), on a sharded ``model`` and ``unless`` not."""
+    if unless or not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 class ShardedStepHook(StepHook):
