@@ -18,8 +18,8 @@ What it does:
         ``strategy.wait_for_checkpoint()`` has returned as well (the checkpoint is published).
     All ranks pass a barrier right before each timed call.  Every timed interval includes Lightning's
     ``dump_checkpoint`` (state-dict gathering) and the barrier at the end of ``trainer.save_checkpoint``.
-  * The mode is switched on the one fitted Trainer by setting the strategy's private attributes
-    ``_state_dict_type`` and ``_async_save`` (fitting a 100M model three times would cost more than the saves).
+  * The mode is switched on the one fitted Trainer through the strategy's ``checkpoints`` (its ``format`` and
+    ``async_save``; fitting a 100M model three times would cost more than the saves).
 
 Rank 0 prints medians and ratios and writes benchmarks/results/checkpoint_io.json.
 """
@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt_common as cc
 import torch
 import torch.distributed as dist
+
+from fsdp_strategy.options import CheckpointFormat
 
 MODES = ("sharded", "full", "async")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,8 +77,8 @@ def main() -> None:
             order = MODES[r % 3:] + MODES[: r % 3]
             for mode in order:
                 path = os.path.join(workdir, f"r{r}_{mode}" + (".ckpt" if mode == "full" else ""))
-                strategy._state_dict_type = "full" if mode == "full" else "sharded"  # private: see docstring
-                strategy._async_save = mode == "async"
+                strategy.checkpoints.format = CheckpointFormat.FULL if mode == "full" else CheckpointFormat.SHARDED
+                strategy.checkpoints.async_save = mode == "async"
                 gc.collect()
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -99,7 +101,7 @@ def main() -> None:
                           f"{sizes[mode] / 2**20:.0f} MiB", flush=True)
                 dist.barrier()
     finally:
-        strategy._async_save = False
+        strategy.checkpoints.async_save = False
         strategy.wait_for_checkpoint()
         if rank == 0:
             shutil.rmtree(workdir, ignore_errors=True)

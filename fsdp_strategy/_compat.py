@@ -22,6 +22,7 @@ __all__ = [
     "FsspecWriter",
     "ScriptLauncher",
     "averaged_model_of",
+    "attached_trainer",
     "TorchDispatchMode",
     "all_gather_single",
     "sync_ddp",
@@ -34,6 +35,7 @@ __all__ = [
     "reduce_root_gradients_after",
     "reduce_scatter_single",
     "reset_iter_state",
+    "set_device_mesh",
     "sharded_units",
     "tensor_version",
     "tree_flatten",
@@ -210,3 +212,13 @@ def reset_iter_state(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or ``None``: its ``trainer`` property raises then."""
+    return getattr(module, "_trainer", None)
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """What ``LightningModule.device_mesh`` returns, set as Lightning's ModelParallelStrategy sets it."""
+    module._device_mesh = mesh

@@ -22,11 +22,9 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["HOST_MEMORY_MODES", "HeapStats", "available", "heap_stats", "release", "supported"]
+from fsdp_strategy.step.hooks import StepHook
 
-# "keep": leave the allocator alone. "release": hand free heap pages back after sharding (the eager full model
-# freed) and at each phase end of a training step: after forward, after backward, after the optimizer step.
-HOST_MEMORY_MODES = ("keep", "release")
+__all__ = ["HeapStats", "ReleaseHook", "available", "heap_stats", "release", "supported"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +90,17 @@ def available() -> int | None:
     if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return None
+
+
+class ReleaseHook(StepHook):
+    """``host_memory='release'``: free heap pages handed back at each phase end of a training step."""
+
+    def after_forward(self, *, training: bool, gradient_sync: bool) -> None:
+        if training:  # the forward's freed buffers: holes the backward's may not fit
+            release()
+
+    def after_backward(self, *, reduced: bool) -> None:
+        release()
+
+    def after_optimizer_step(self, *, manual: bool) -> None:
+        release()  # the step's buffers are free now, the next step's not yet taken

@@ -1,7 +1,8 @@
 """The strategy's options, checked once when it is constructed, before any process starts.
 
 Every option is keyword-only and of a plain type (so a LightningCLI YAML can set it); a wrong value raises
-``TypeError`` or ``ValueError`` naming the option, the value given and what is accepted.
+``TypeError`` or ``ValueError`` naming the option, the value given and what is accepted. The options that
+name a mode become str-valued enums here, so no other module compares mode strings.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +18,124 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_strategy.checkpoint import storage
-from fsdp_strategy.host_memory import HOST_MEMORY_MODES
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
+from fsdp_strategy.step.guard import check_nonfinite_grads_option
 
-__all__ = ["HOOK_VIEWS", "STATE_DICT_TYPES", "Options", "check_options"]
+__all__ = [
+    "HOOK_VIEWS",
+    "STATE_DICT_TYPES",
+    "CheckpointFormat",
+    "HookView",
+    "HostMemory",
+    "NonFiniteGrads",
+    "Options",
+    "StateDictType",
+    "check_options",
+]
 
-STATE_DICT_TYPES = ("auto", "sharded", "full")
-HOOK_VIEWS = ("whole", "sharded")
+
+class _Mode(str, Enum):
+    # Printed and formatted as the plain string the user passed, in messages and logs.
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class StateDictType(_Mode):
+    AUTO = "auto"  # "full" while rank 0 can hold the whole state, decided when the model is set up
+    SHARDED = "sharded"
+    FULL = "full"
+
+
+class CheckpointFormat(_Mode):
+    """What the checkpoints are: ``state_dict_type`` with ``"auto"`` decided."""
+
+    SHARDED = "sharded"  # a Distributed Checkpoint directory
+    FULL = "full"  # one Lightning checkpoint file
+
+
+class NonFiniteGrads(_Mode):
+    IGNORE = "ignore"
+    SKIP = "skip"
+    RAISE = "raise"
+
+
+class HostMemory(_Mode):
+    KEEP = "keep"  # leave the allocator alone
+    # Hand free heap pages back after sharding (the eager full model freed) and at each phase end of a training
+    # step: after forward, after backward, after the optimizer step.
+    RELEASE = "release"
+
+
+class HookView(_Mode):
+    WHOLE = "whole"
+    SHARDED = "sharded"
+
+
+STATE_DICT_TYPES = tuple(mode.value for mode in StateDictType)
+HOOK_VIEWS = tuple(mode.value for mode in HookView)
+HOST_MEMORY_MODES = tuple(mode.value for mode in HostMemory)
 
 
 @dataclass(frozen=True)
 class Options:
-    """The checked options, in the forms the strategy works with (see ``FSDP2Strategy`` for their meaning)."""
+    """The checked options, in the forms the strategy works with; each is a keyword of ``FSDP2Strategy``:
+
+    wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.sharding.policy`):
+        ``"auto"`` (repeated blocks), class names, module classes, a ``(name, module) -> bool``
+        callable, a minimum parameter count, or ``None`` for no blocks (one group holding everything).
+    activation_checkpointing_policy: modules whose activations are recomputed in backward, in the
+        same forms (``"auto"`` = the repeated blocks). ``None`` turns it off.
+    reshard_after_forward: ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
+        ``False`` keeps them until backward (ZeRO-2, more memory, fewer all-gathers); an int
+        reshards to that smaller group size (e.g. the number of processes per node).
+    hybrid: shard within a node and replicate across nodes (HSDP), a 2-D mesh.
+    replicate_size, shard_size: the mesh from plain integers; their product must be the world size.
+        Either implies the other; a ``replicate_size`` above 1 means hybrid sharding.
+    cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (CUDA only).
+    mp_policy: an explicit ``MixedPrecisionPolicy``; only with ``Trainer(precision="32-true")``.
+    sync_grads_each_micro_batch: reduce-scatter gradients on every micro-batch of gradient
+        accumulation. Costs communication but keeps gradients sharded; by default gradients are
+        accumulated unsharded and reduced once per optimizer step.
+    compile_blocks: ``torch.compile`` each block selected by ``wrap_policy``; ``True`` uses the
+        default backend (inductor), a str names another ``torch.compile`` backend.
+    meta_init: build the modules created in ``configure_model`` on the meta device and
+        initialize them shard by shard with ``reset_parameters()``. Turn off when
+        ``configure_model`` loads weights.
+    state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory, every rank writes its
+        shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0, through
+        the Trainer's ``CheckpointIO`` plugin if one is given).
+    async_save: write checkpoints in the background while training continues; a new save
+        waits for the previous one, and a failed write raises on every rank at the next save or
+        at the end.
+    init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
+        plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
+    process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
+    timeout: seconds (or a ``timedelta``) that the start-up rendezvous and every collective wait for a
+        peer before failing. The error names the rank (and node) that never arrived or was lost.
+    nonfinite_grads: what to do when a gradient holds NaN or inf before an optimizer step, checked
+        on every shard and agreed across ranks: ``"ignore"`` (no check, no cost), ``"skip"``
+        (drop that step's gradients so nothing is updated, warn naming the first affected
+        parameter, count it in :attr:`skipped_steps`) or ``"raise"`` (``NonFiniteGradientError``
+        on every rank). Under ``precision="16-mixed"`` the gradient scaler handles such steps.
+    host_memory: ``"release"`` hands freed heap memory back to the system (glibc's ``malloc_trim``)
+        after sharding and after each forward, backward and optimizer step: a lower peak of host
+        memory on CPU for a few percent more CPU time; ``"keep"`` leaves the allocator alone. A
+        no-op where the C library is not glibc.
+    reuse_comm_buffers: on CPU, each block's all-gather and reduce-scatter take their flat buffers from a
+        pool instead of a fresh allocation each time (the same collectives and results; on the 116M
+        benchmark GPT about 15% less CPU time per step). ``False`` allocates each buffer anew, as FSDP2 does.
+        Buffers on a GPU are always left to torch's caching allocator.
+    hook_view: what ``on_before_optimizer_step`` (of the module or a callback) sees. ``"whole"``: as under
+        DDP, whole parameters with their whole, reduced gradients (Lightning's ``grad_norm``, custom clipping,
+        NaN checks work unchanged); they are gathered for the hooks, one all-gather of parameters and gradients
+        per optimizer step, and only when such a hook is overridden; what the hooks change is written back into
+        the shards. ``"sharded"``: the DTensor shards, nothing gathered (``p.grad.full_tensor()`` reads one).
+
+    ``cpu_offload`` is kept as the ``offload_policy`` it selects; ``hybrid`` is also implied by a
+    ``replicate_size`` above 1; ``state_dict_type="auto"`` writes one file while rank 0 can hold the whole state
+    in a quarter of its free host memory, sharded directories beyond that.
+    """
 
     wrap_policy: ModulePolicy | None
     activation_checkpointing_policy: ModulePolicy | None
@@ -41,14 +148,15 @@ class Options:
     sync_grads_each_micro_batch: bool
     compile_blocks: bool | str
     meta_init: bool
-    state_dict_type: str
+    state_dict_type: StateDictType
     async_save: bool
     init_weights: Path | str | None
     process_group_backend: str | None
     timeout: timedelta
-    host_memory: str
+    nonfinite_grads: NonFiniteGrads
+    host_memory: HostMemory
     reuse_comm_buffers: bool
-    hook_view: str
+    hook_view: HookView
 
 
 def check_options(
@@ -69,6 +177,7 @@ def check_options(
     init_weights: str | Path | None,
     process_group_backend: str | None,
     timeout: float | timedelta,
+    nonfinite_grads: str = "ignore",
     host_memory: str = "keep",
     reuse_comm_buffers: bool = True,
     hook_view: str = "whole",
@@ -127,6 +236,7 @@ def check_options(
         # reach the object store from every process that builds a strategy.
         if not storage.is_url(init_weights) and not Path(init_weights).is_file():
             raise ValueError(f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file.")
+    check_nonfinite_grads_option(nonfinite_grads)
     return Options(
         wrap_policy=normalize_policy(wrap_policy, option="wrap_policy"),
         activation_checkpointing_policy=normalize_policy(
@@ -141,14 +251,15 @@ def check_options(
         sync_grads_each_micro_batch=sync_grads_each_micro_batch,
         compile_blocks=compile_blocks,
         meta_init=meta_init,
-        state_dict_type=state_dict_type,
+        state_dict_type=StateDictType(state_dict_type),
         async_save=async_save,
         init_weights=None if init_weights is None else storage.location(init_weights),
         process_group_backend=process_group_backend,
         timeout=_as_timedelta(timeout),
-        host_memory=host_memory,
+        nonfinite_grads=NonFiniteGrads(nonfinite_grads),
+        host_memory=HostMemory(host_memory),
         reuse_comm_buffers=reuse_comm_buffers,
-        hook_view=hook_view,
+        hook_view=HookView(hook_view),
     )
 
 

@@ -43,7 +43,7 @@ class Recorder(L.Callback):
             model_state_bytes(pl_module, optimizers, scalar_state=False),  # as padded_share_bytes counts
             padded_share_bytes(pl_module, optimizers, trainer.world_size),
         )
-        self.comm_buffer_bytes = getattr(getattr(trainer.strategy, "_comm_buffers", None), "nbytes", None)
+        self.comm_buffer_bytes = getattr(getattr(getattr(trainer.strategy, "sharding", None), "comm_buffers", None), "nbytes", None)
 
 
 def padded_share_bytes(module: torch.nn.Module, optimizers: list, world_size: int) -> int:

@@ -93,7 +93,7 @@ def test_bad_option_values_are_refused_by_the_strategy(value, error, message: st
 
 def test_default_is_ignore_and_nothing_is_wrapped() -> None:
     strategy = FSDP2Strategy()
-    assert strategy._nonfinite_guard.mode == "ignore" and not strategy._nonfinite_guard.active
+    assert strategy.guard.mode == "ignore" and not strategy.guard.active
     assert strategy.skipped_steps == 0
 
 

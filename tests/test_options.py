@@ -3,6 +3,8 @@ does in a fit. Each refusal's exact message is tested through ``FSDP2Strategy`` 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,10 +13,10 @@ import pytest
 import torch
 from torch.distributed.fsdp import OffloadPolicy
 
-from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.checkpoint import verify
 from fsdp_strategy.checkpoint.trainer_state import load_trainer_state
-from fsdp_strategy.options import STATE_DICT_TYPES, check_options
+from fsdp_strategy.options import STATE_DICT_TYPES, Options, check_options
+from fsdp_strategy.strategy import FSDP2Strategy
 from testkit.models import TinyLM, token_loader
 
 DEFAULTS = dict(
@@ -63,3 +65,12 @@ def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_
 def test_a_wrong_value_is_refused_by_the_options_module_itself(option, value, error):
     with pytest.raises(error, match=f"`{option}`"):
         check_options(**{**DEFAULTS, option: value})
+
+
+def test_every_strategy_parameter_is_an_option_and_every_option_a_parameter():
+    # A new option declared in one place only would be half-declared: accepted and ignored, or never settable.
+    parameters = set(inspect.signature(FSDP2Strategy.__init__).parameters) - {"self"}
+    checked = set(inspect.signature(check_options).parameters)
+    # `cpu_offload` is kept as the offload policy it selects.
+    fields = {field.name for field in dataclasses.fields(Options)} - {"offload_policy"} | {"cpu_offload"}
+    assert parameters == checked == fields

@@ -187,12 +187,12 @@ def test_offload_strategy_name_without_cuda_is_rejected_at_trainer_construction(
     [(10, timedelta(seconds=10)), (2.5, timedelta(seconds=2.5)), (timedelta(minutes=1), timedelta(seconds=60))],
 )
 def test_timeout_accepts_seconds_or_timedelta(timeout, expected):
-    assert FSDP2Strategy(timeout=timeout)._timeout == expected
+    assert FSDP2Strategy(timeout=timeout).options.timeout == expected
 
 
 @pytest.mark.parametrize("value", [True, False, 8])
 def test_reshard_after_forward_accepts_bool_or_positive_int(value):
-    assert FSDP2Strategy(reshard_after_forward=value)._reshard_after_forward == value
+    assert FSDP2Strategy(reshard_after_forward=value).options.reshard_after_forward == value
 
 
 @pytest.mark.parametrize(
@@ -204,8 +204,8 @@ def test_reshard_after_forward_accepts_bool_or_positive_int(value):
 )
 def test_host_memory_accepts_keep_or_release(value, error, message):
     # Off by default: it lowers the peak but does not reach the memory targets of issue 11 (docs/benchmarks.md).
-    assert FSDP2Strategy()._host_memory == "keep"
-    assert FSDP2Strategy(host_memory="release")._host_memory == "release"
+    assert FSDP2Strategy().options.host_memory == "keep"
+    assert FSDP2Strategy(host_memory="release").options.host_memory == "release"
     with pytest.raises(error, match=re.escape(message)):
         FSDP2Strategy(host_memory=value)
 
@@ -244,7 +244,7 @@ def test_the_offload_name_asks_for_offloading_which_needs_cuda():
 def test_grad_op_name_builds_a_strategy_that_keeps_parameters_gathered():
     strategy = cpu_trainer(strategy="fsdp2_grad_op", devices=1).strategy
     assert isinstance(strategy, FSDP2Strategy)
-    assert strategy._reshard_after_forward is False
+    assert strategy.options.reshard_after_forward is False
 
 
 def test_hybrid_name_shards_within_a_node_and_replicates_across_nodes():

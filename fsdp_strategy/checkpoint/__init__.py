@@ -1,5 +1,6 @@
 """Checkpoints of sharded models: a Distributed Checkpoint directory, or one full Lightning file.
 
+* ``manager``: ``CheckpointManager``, what the strategy does with checkpoints (format, saves, loads, restores);
 * ``io``: what a checkpoint holds and how it is read back (model and optimizer state, full or sharded);
 * ``writing``: its files written under a hidden name and put in place;
 * ``saving``: a save that ends together on every rank, staged and renamed into place;

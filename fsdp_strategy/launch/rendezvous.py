@@ -21,13 +21,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Member", "Membership", "PeerLostError", "all_ranks_agree", "finish_collectives_at_exit", "join"]
+__all__ = ["Member", "Membership", "PeerLostError", "all_ranks_agree", "finish_collectives_at_exit", "join", "on_rank_zero"]
 
 # How long the end of the process lets the collectives' threads run: they need the GIL for microseconds after the
 # last collective completed (docs/gloo_exit_abort.py).
@@ -336,3 +338,18 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
+
+
+def on_rank_zero(action: Callable[[], Any], error: Callable[[str], Exception], is_zero: bool, broadcast: Callable[[Any], Any]) -> Any:
+    """Runs ``action`` on rank 0 only (``None`` elsewhere). If it fails, every rank raises ``error(message)``:
+    the others would otherwise wait for rank 0 in the next collective. ``broadcast`` sends rank 0's object."""
+    result, message = None, None
+    if is_zero:
+        try:
+            result = action()
+        except Exception as exc:
+            message = str(exc)
+    message = broadcast(message)
+    if message is not None:
+        raise error(message)
+    return result

@@ -13,7 +13,17 @@ import re
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import (
+    BitsandbytesPrecision,
+    DeepSpeedPrecision,
+    DoublePrecision,
+    FSDPPrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+    TransformerEnginePrecision,
+    XLAPrecision,
+)
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -21,11 +31,13 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from fsdp_strategy.step.hook_view import WholeParameters
 
 __all__ = [
+    "FSDP2_PLUGINS",
     "FULL_PRECISION_POLICY",
     "SUPPORTED_PRECISIONS",
     "is_normalization",
     "mixed_precision_policy",
     "precision_plugin_for",
+    "translate_trainer_plugin",
 ]
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -115,3 +127,49 @@ class FSDP2MixedPrecision(_WholeParametersInHooks, MixedPrecision):
     def __init__(self, precision: str, device_type: str) -> None:
         scaler = ShardedGradScaler(device=device_type) if precision == "16-mixed" else None
         super().__init__(precision, device_type, scaler=scaler)  # type: ignore[arg-type]
+
+
+FSDP2_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
+
+# Lightning's own plugins, one of which its connector builds from `Trainer(precision=...)` for a strategy it has
+# no plugin class for: they carry the precision the user chose, which becomes one of FSDP2_PLUGINS.
+_LIGHTNING_PLUGINS = (
+    Precision,
+    MixedPrecision,
+    HalfPrecision,
+    DoublePrecision,
+    TransformerEnginePrecision,
+    BitsandbytesPrecision,
+    FSDPPrecision,
+    DeepSpeedPrecision,
+    XLAPrecision,
+)
+
+
+def translate_trainer_plugin(plugin: Precision, *, strategy: str, explicit_mp_policy: bool) -> Precision:
+    """The FSDP2 plugin for the precision of Lightning's ``plugin``.
+
+    Raises:
+        TypeError: ``plugin`` is not one of Lightning's own (a custom plugin cannot run on shards).
+        ValueError: its precision is not one of :data:`SUPPORTED_PRECISIONS`, or conflicts with ``mp_policy``.
+    """
+    precision = getattr(plugin, "precision", None)
+    if type(plugin) not in _LIGHTNING_PLUGINS:
+        raise TypeError(
+            f"{strategy} does not take custom precision plugins; got {type(plugin).__name__}."
+            f" Use `Trainer(precision=...)` with one of: {', '.join(SUPPORTED_PRECISIONS)}, or pass"
+            " `mp_policy=` to the strategy."
+        )
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"{strategy} does not support `Trainer(precision={precision!r})`"
+            f" ({type(plugin).__name__}). Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
+        )
+    if explicit_mp_policy and precision != "32-true":
+        raise ValueError(
+            f"Conflicting precision settings: `mp_policy` was given to {strategy} and"
+            f" `Trainer(precision={precision!r})` too. Pass one of them: keep `mp_policy` with"
+            " precision='32-true', or drop `mp_policy`."
+        )
+    device_type = getattr(plugin, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    return precision_plugin_for(precision, device_type)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -33,6 +34,8 @@ from fsdp_strategy._compat import forget_composable_state
 from fsdp_strategy.sharding.state_bytes import full_bytes, model_state_tensors
 
 __all__ = [
+    "plain_optimizers",
+    "sharded_optimizers",
     "ShardingSnapshot", "full_state_bytes", "gathered_parameters", "unshard",
 ]
 
@@ -275,3 +278,14 @@ def _swap_parameter(optimizer: Optimizer, old: nn.Parameter, new: nn.Parameter) 
         group["params"] = [new if p is old else p for p in group["params"]]
     if old in optimizer.state:
         optimizer.state[new] = optimizer.state.pop(old)
+
+
+def plain_optimizers(optimizers: Iterable[Any]) -> list[Optimizer]:
+    """The torch optimizers behind Lightning's ``LightningOptimizer`` wrappers."""
+    return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+
+
+def sharded_optimizers(optimizers: Iterable[Any]) -> list[Optimizer]:
+    """The optimizers of the current sharded model (a stage after fit keeps fit's optimizers, whose
+    parameters were given back in full)."""
+    return [o for o in plain_optimizers(optimizers) if any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])]

@@ -25,7 +25,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BufferSync", "broadcast_tensors", "check_sync_batchnorm", "module_buffers", "sync_module_states"]
+from fsdp_strategy.step.hooks import StepHook
+
+__all__ = ["BufferSync", "BufferSyncHook", "broadcast_tensors", "check_sync_batchnorm", "module_buffers", "sync_module_states"]
 
 # DDP's default bucket for the same broadcast (``broadcast_bucket_size``): bounds the extra memory of
 # flattening a module's parameters into one message.
@@ -119,3 +121,16 @@ def check_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
     """The error DDP raises when wrapping a module with ``SyncBatchNorm`` layers on the CPU."""
     if device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         raise ValueError("SyncBatchNorm layers only work with GPU modules")
+
+
+class BufferSyncHook(StepHook):
+    """:class:`BufferSync` around each training and validation forward of ``fit``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.sync = BufferSync(module)
+
+    def before_forward(self) -> None:
+        self.sync.before_step()
+
+    def after_forward(self, *, training: bool, gradient_sync: bool) -> None:
+        self.sync.after_step(gradient_sync=gradient_sync)

@@ -18,7 +18,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from fsdp_strategy.step.hooks import StepHook
+
 __all__ = [
+    "GuardHook",
     "NONFINITE_GRADS_MODES",
     "NonFinite",
     "NonFiniteGradientError",
@@ -188,3 +191,17 @@ class NonFiniteGuard:
                 f"`nonfinite_grads={self.mode!r}` leaves steps with NaN or inf gradients to the gradient scaler of"
                 " precision='16-mixed', which skips them and lowers the loss scale."
             )
+
+
+class GuardHook(StepHook):
+    """The guard's check after the closure of each optimizer step, on ``device``; ``precision`` is the
+    precision plugin, whose gradient scaler (``16-mixed``) handles non-finite steps itself."""
+
+    def __init__(self, guard: NonFiniteGuard, *, device: torch.device, precision: Any) -> None:
+        self.guard = guard
+        self.device = device
+        self.precision = precision
+
+    def wrap_closure(self, closure: Callable[[], Any], optimizer: Optimizer, module: nn.Module) -> Callable[[], Any]:
+        scaler = getattr(self.precision, "scaler", None)
+        return self.guard.wrap(closure, module, optimizer, step=module.trainer.global_step, device=self.device, scaler=scaler)

@@ -22,9 +22,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdp_strategy import host_memory
 from fsdp_strategy._compat import tensor_version
+from fsdp_strategy.launch.rendezvous import all_ranks_agree
+from fsdp_strategy.sizes import format_bytes
 
-__all__ = ["WholeParameters", "hooks_read_parameters", "whole_bytes"]
+__all__ = ["WholeParameters", "explain_sharded_view", "whole_parameters_in_hooks", "hooks_read_parameters", "whole_bytes"]
 
 HOOK = "on_before_optimizer_step"
 
@@ -110,3 +113,39 @@ def _shard(value: Tensor, like: DTensor) -> Any:
     # Every rank holds the same whole tensor: each keeps its own shard, without communication.
     local = value.to(device=like.to_local().device, dtype=like.dtype)
     return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def whole_parameters_in_hooks(
+    model: nn.Module, owners: tuple[nn.Module, list[Callback]] | None, device: torch.device, processes_per_node: int
+) -> WholeParameters | None:
+    """The whole view for ``hook_view='whole'`` when the module or a callback of ``owners`` (``None``: no view
+    wanted) overrides the hook; ``ValueError`` on every rank when whole parameters and gradients would not fit."""
+    readers = hooks_read_parameters(*owners) if owners is not None else []
+    if not readers:
+        return None
+    needed = whole_bytes(model)
+    if device.type == "cuda":
+        free: int | None = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = host_memory.available()
+        free = None if available is None else available // processes_per_node
+    if not all_ranks_agree(free is None or needed <= free // 2, device):
+        raise ValueError(
+            f"{', '.join(readers)} overrides `on_before_optimizer_step`, which FSDP2Strategy(hook_view='whole')"
+            f" shows whole parameters and gradients, as DDP does: {format_bytes(needed)} on each rank, more than"
+            f" half of the {format_bytes(free or 0)} free. Pass `hook_view='sharded'`: the hook then sees DTensor"
+            " shards (`p.grad.full_tensor()` gathers one gradient; norms of DTensors are global)."
+        )
+    return WholeParameters(model)
+
+
+def explain_sharded_view(exception: BaseException) -> str | None:
+    """A note for an error of code that read a DTensor shard as a plain tensor under ``hook_view='sharded'``."""
+    if "its data is not allocated yet" not in str(exception):
+        return None
+    return (
+        "Under FSDP2Strategy(hook_view='sharded'), parameters and gradients are DTensor shards, and code written"
+        " for plain tensors (Lightning's `grad_norm`, `torch.tensor([...])` of norms) cannot read them. Pass"
+        " `hook_view='whole'` to see them whole in `on_before_optimizer_step`, as under DDP, or read"
+        " `p.grad.full_tensor()`."
+    )

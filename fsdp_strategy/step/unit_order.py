@@ -26,14 +26,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_strategy._compat import sharded_units
 from fsdp_strategy.sharding.policy import class_name
 from fsdp_strategy.sharding.precision import is_normalization
+from fsdp_strategy.step.hooks import StepHook
 
-__all__ = ["UnitMismatchError", "UnitOrder", "describe_mismatch"]
+__all__ = ["UnitMismatchError", "UnitOrder", "UnitOrderHook", "describe_mismatch"]
 
 _MODULUS = 2**61 - 1  # a prime; the digest and its negation fit in an int64
 _BASE = 1_000_003
@@ -226,3 +227,23 @@ def _router(model: nn.Module, name: str) -> str | None:
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             return class_name(module)
     return None
+
+
+class UnitOrderHook(StepHook):
+    """:class:`UnitOrder` at each step: recording around backward, and after an evaluation step, which reduces
+    nothing to carry the digest, one small all-reduce of its own before its outputs reach the metrics."""
+
+    def __init__(self, order: UnitOrder) -> None:
+        self.order = order
+
+    def after_evaluation_step(self, during: str) -> None:
+        self.order.check(during=during)
+
+    def before_backward(self, loss: Tensor, *, manual: bool) -> None:
+        self.order.before_backward()
+
+    def after_backward(self, *, reduced: bool) -> None:
+        self.order.after_backward()
+
+    def close(self, *, wait: bool) -> None:
+        self.order.close()

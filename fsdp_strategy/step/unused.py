@@ -44,9 +44,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy.sharding.unshard import gathered_parameters
+from fsdp_strategy.step.hooks import StepHook
 from fsdp_strategy.step.unit_order import UnitOrder
 
-__all__ = ["UnusedParameters", "explain", "supported"]
+__all__ = ["UnusedHook", "UnusedParameters", "explain", "supported"]
 
 _MIXED_DTYPES = "FSDP reduce-scatter expects uniform gradient dtype"
 _SIZES_DIFFER = "Received data size doesn't match expected size"
@@ -234,3 +235,25 @@ def explain(exception: BaseException) -> str | None:
         " in none (a data-dependent branch, an idle expert). Pass `sync_grads_each_micro_batch=True` to"
         " FSDP2Strategy to reduce every micro-batch's gradients, or train in precision='32-true'."
     )
+
+
+class UnusedHook(StepHook):
+    """:class:`UnusedParameters` around each backward; ``order``'s digest travels in its record."""
+
+    def __init__(self, unused: UnusedParameters, order: UnitOrder | None) -> None:
+        self.unused = unused
+        self.order = order
+
+    def before_backward(self, loss: Tensor, *, manual: bool) -> None:
+        self.unused.before_backward()
+
+    def after_backward(self, *, reduced: bool) -> None:
+        if reduced:
+            self.unused.after_backward(order=self.order)
+
+    def stage_ended(self) -> None:
+        self.unused.wait()
+
+    def close(self, *, wait: bool) -> None:
+        # Its hooks would otherwise keep the module alive after its Trainer.
+        self.unused.close(wait=wait)

@@ -1,0 +1,278 @@
+"""``CheckpointManager``: what the strategy does with checkpoints, behind Lightning's checkpoint hooks.
+
+It decides the checkpoint format once per model (``state_dict_type``, ``"auto"`` resolved), saves (in the
+background with ``async_save``, over a gloo group of its own), loads before the module is sharded as DDP does,
+and keeps what a module without values yet can only take after sharding (:meth:`restore_after_sharding`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+
+from fsdp_strategy import host_memory
+from fsdp_strategy.checkpoint import background, saving, storage, verify
+from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint.errors import CheckpointError
+from fsdp_strategy.launch.rendezvous import on_rank_zero
+from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
+from fsdp_strategy.sharding.deferred_init import has_meta_tensors
+from fsdp_strategy.sharding.unshard import plain_optimizers, sharded_optimizers
+from fsdp_strategy.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
+
+__all__ = ["CheckpointManager"]
+
+
+@dataclass
+class _Restore:
+    """What a stage restores from the checkpoint ``path`` once the module is sharded."""
+
+    path: Path | str
+    files: storage.CheckpointFiles | None = None  # a sharded checkpoint's; its optimizer states are read after setup
+    model_state: dict[str, Any] | None = None  # a single file's weights for a module that had no values before sharding
+    strict: bool | None = None  # set when the module state is still to be loaded
+
+
+class CheckpointManager:
+    """The checkpoints of one strategy; ``strategy`` gives the ranks, the collectives, the module and the
+    ``CheckpointIO`` plugin, which Lightning sets on the strategy after it is built."""
+
+    def __init__(self, strategy: ParallelStrategy, options: Options) -> None:
+        self.strategy = strategy
+        self.state_dict_type = options.state_dict_type
+        self.async_save = options.async_save
+        self.timeout = options.timeout
+        self.init_weights = options.init_weights
+        self.format: CheckpointFormat | None = None  # decided in setup(), or by the first save before any setup
+        self.saves = background.BackgroundSave()
+        self.restore: _Restore | None = None
+        self._group: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled Trainer leaves out this process's threads and process groups, as DDPStrategy holds none.
+        return {**self.__dict__, "saves": background.BackgroundSave(), "restore": None, "_group": None}
+
+    @property
+    def name(self) -> str:
+        return type(self.strategy).__name__
+
+    # --- format -----------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        if self.format is None:  # a save before any setup (trainer.strategy.connect(model))
+            model = self.strategy.model or self.strategy.lightning_module
+            if model is None:
+                sharded = self.state_dict_type == StateDictType.SHARDED
+                return CheckpointFormat.SHARDED if sharded else CheckpointFormat.FULL
+            self.format = self._choose_format(model)
+        return self.format
+
+    @property
+    def sharded(self) -> bool:
+        return self.checkpoint_format == CheckpointFormat.SHARDED
+
+    def setup(self, model: nn.Module) -> None:
+        """Decides the format for the stage's model (once per strategy) and checks the ``CheckpointIO`` plugin."""
+        if self.format is None:
+            self.format = self._choose_format(model)
+        saving.check_checkpoint_io(self.strategy.checkpoint_io, sharded=self.sharded, async_save=self.async_save, strategy=self.name)
+
+    def _choose_format(self, model: nn.Module) -> CheckpointFormat:
+        if self.state_dict_type != StateDictType.AUTO:
+            return CheckpointFormat(self.state_dict_type.value)
+        if not saving.is_default_checkpoint_io(self.strategy.checkpoint_io):
+            return CheckpointFormat.FULL  # a CheckpointIO plugin writes single files, as it does under DDP
+        # "auto": one file, as DDP writes and `load_from_checkpoint` reads, while rank 0 can hold the whole
+        # state in host memory with room to spare; Distributed Checkpoint directories beyond that.
+        params = {id(p): p for p in model.parameters()}.values()
+        estimate = 3 * sum(p.numel() * p.element_size() for p in params)  # weights + two optimizer states
+        available = host_memory.available() if self.strategy.is_global_zero else None
+        chosen = self.strategy.broadcast("full" if available is None or estimate <= available // 4 else "sharded")
+        rank_zero_info(
+            f"{self.name}: checkpoints are {'single files' if chosen == 'full' else 'sharded directories'}"
+            f" (state_dict_type='auto': the full state, about {format_bytes(estimate)} with an optimizer like Adam,"
+            f" {'fits' if chosen == 'full' else 'does not fit'} in a quarter of rank 0's free host memory)."
+            " Pass state_dict_type='full' or 'sharded' to choose."
+        )
+        return CheckpointFormat(chosen)
+
+    # --- saving -----------------------------------------------------------------------------------
+
+    def model_state(self) -> dict[str, Any]:
+        assert self.strategy.model is not None
+        return ckpt.model_state(self.strategy.model, full=not self.sharded)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.strategy.model is not None
+        return ckpt.optimizer_state(self.strategy.model, optimizer, full=not self.sharded, keep=self.strategy.is_global_zero)
+
+    def save(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
+        """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
+        crash or a failed write leaves the previous checkpoints intact; a failure on any rank raises
+        :class:`~fsdp_strategy.checkpoint.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
+        runs in the background and the next save (or load, or the end of the stage) waits for it.
+        Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
+        strategy = self.strategy
+        sharded = self.sharded
+        if sharded and storage_options is not None:
+            raise TypeError(
+                f"{self.name}.save_checkpoint does not take `storage_options` for sharded checkpoints; got"
+                f" {storage_options!r}. They are meant for a CheckpointIO plugin, which writes single files: pass"
+                ' `state_dict_type="full"`.'
+            )
+        self.wait()
+        if not sharded:  # sharded state a callback added (WeightAveraging's average), whole in the file as under DDP
+            checkpoint = ckpt.gather_dtensors(checkpoint, keep=strategy.is_global_zero)
+        path = storage.location(strategy.broadcast(str(filepath)))
+        token = strategy.broadcast(saving.staging_token())
+        if strategy.is_global_zero:
+            saving.remove_stale_staging(storage.parent(path) if isinstance(path, str) else path.parent)
+        in_background = self.saves if self.async_save else None
+        if sharded:
+            saving.save_sharded(checkpoint, path, token, rank=strategy.global_rank, background=in_background, group=self._background_group)
+        elif storage_options is not None or not saving.is_default_checkpoint_io(strategy.checkpoint_io):
+            # The plugin writes the file as under DDP (Lightning's TorchCheckpointIO refuses `storage_options`).
+            saving.save_through(strategy.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=strategy.global_rank)
+        else:
+            live = lambda: background.live_storages(strategy.model, plain_optimizers(strategy.optimizers))  # noqa: E731
+            saving.save_full(checkpoint, path, token, rank=strategy.global_rank, background=in_background, live=live)
+
+    def _background_group(self) -> Any:
+        # Background saves talk over their own gloo group, so they never interleave with the
+        # training collectives on the default group.
+        if self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
+        return self._group
+
+    def wait(self) -> None:
+        """Blocks until a background save has finished; if it failed on any rank, raises its error on every rank."""
+        outcome = self.saves.wait()
+        if outcome is not None:
+            saving.settle(outcome.error, checkpoint=outcome.checkpoint, staging=outcome.staging, rank=self.strategy.global_rank)
+
+    def remove(self, filepath: str | os.PathLike) -> None:
+        if self.strategy.is_global_zero:
+            # Not before the save in the background that replaces it is in place.
+            self.saves.defer_removal(filepath, saving.remover(self.strategy.checkpoint_io))
+
+    def close(self) -> None:
+        self.saves.close()
+
+    # --- loading ----------------------------------------------------------------------------------
+
+    def begin_stage(self) -> None:
+        self.restore = None
+
+    @property
+    def restoring(self) -> bool:
+        """A checkpoint is being loaded in this stage (it wins over ``init_weights``)."""
+        return self.restore is not None
+
+    def load(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Reads a checkpoint before the module is sharded, as DDP does, so that Lightning calls
+        ``on_load_checkpoint`` and ``load_state_dict`` in DDP's order: a single file whole on every rank; a sharded
+        checkpoint's trainer state, and its module state in full (in place, into the module's own tensors). A module
+        built without its values (``meta_init``, ``init_module(empty_init=True)``) gets them after sharding instead:
+        each rank reads its shards. Optimizer states are loaded into the sharded optimizers after ``setup``."""
+        strategy = self.strategy
+        self.wait()
+        path = storage.location(strategy.broadcast(str(checkpoint_path)))
+        module = strategy.lightning_module
+        assert module is not None
+        self.restore = _Restore(path)
+        if verify.looks_like_sharded_checkpoint(path):
+            # None: the user did not choose; torch.load's default since 2.6 is True.
+            trusted = weights_only is False
+
+            def check() -> str:
+                # On a URL, rank 0 follows the manifest once: every rank reads the files it named then.
+                files = storage.checkpoint_files(path)
+                verify.verify_sharded_checkpoint(files, weights_only=not trusted)
+                return str(files.source)
+
+            # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
+            source = strategy.broadcast(on_rank_zero(check, CheckpointError, strategy.is_global_zero, strategy.broadcast))
+            self.restore.files = storage.files_at(source, name=path)
+            whole = not has_meta_tensors(module)
+            return ckpt.read_sharded(self.restore.files, module, strict=module.strict_loading, weights_only=not trusted, whole=whole)
+        if saving.is_default_checkpoint_io(strategy.checkpoint_io):
+            return ckpt.read_full_checkpoint(path, weights_only=weights_only)
+        source = checkpoint_path if storage.location(checkpoint_path) == path else path
+        return ckpt.require_state_dict(strategy.checkpoint_io.load_checkpoint(source, weights_only=weights_only), path)
+
+    def load_model_state(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        # As DDP, after `on_load_checkpoint`: the module's own `load_state_dict`, before sharding. A module without
+        # values yet gets them in setup(), once it is sharded and materialized.
+        module = self.strategy.lightning_module
+        assert module is not None
+        if self.restore is not None and has_meta_tensors(module):
+            self.restore.model_state, self.restore.strict = checkpoint.get("state_dict"), strict
+            return
+        if "state_dict" not in checkpoint:
+            raise KeyError(
+                f"The checkpoint '{self.restore.path if self.restore else ''}' holds no 'state_dict' entry: an"
+                " `on_load_checkpoint` hook removed it."
+            )
+        self._load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_states(self, checkpoint: dict[str, Any]) -> None:
+        # As DDP's `optimizer.load_state_dict`: the optimizers are not stepped to create their state first.
+        model = self.strategy.model
+        assert model is not None
+        optimizers = sharded_optimizers(self.strategy.optimizers)
+        if self.restore is not None and self.restore.files is not None:
+            ckpt.load_sharded_optimizers(self.restore.files, model, optimizers, checkpoint["optimizer_states"])
+        else:
+            ckpt.load_full_optimizers(optimizers, checkpoint.get("optimizer_states", []))
+
+    def _load_state_dict(self, state_dict: dict[str, Any], *, strict: bool) -> None:
+        module = self.strategy.lightning_module
+        assert module is not None
+        try:
+            module.load_state_dict(state_dict, strict=strict)
+        except RuntimeError as error:  # torch's "Error(s) in loading state_dict": name the checkpoint and the keys
+            path = self.restore.path if self.restore is not None else "<checkpoint>"
+            ckpt.check_full_state_dict(module, state_dict, strict=strict, path=path)
+            raise error
+
+    def init_weights_loader(self) -> Callable[[nn.Module], None] | None:
+        """What loads ``init_weights`` into the sharded module; ``None`` without them or when a checkpoint to
+        resume from, which wins, is being loaded."""
+        return None if self.init_weights is None or self.restoring else self._load_init_weights
+
+    def _load_init_weights(self, model: nn.Module) -> None:
+        path, strategy = self.init_weights, self.strategy
+        weights = on_rank_zero(
+            lambda: ckpt.read_full_weights(path),  # type: ignore[arg-type]
+            lambda message: ValueError(f"Could not read `init_weights` '{path}' on rank 0: {message}"),
+            strategy.is_global_zero,
+            strategy.broadcast,
+        )
+        assert strategy.lightning_module is not None
+        ckpt.load_full_weights(model, weights or {}, strict=strategy.lightning_module.strict_loading)
+
+    def restore_after_sharding(self) -> None:
+        """Loads the module state that a module without values could not take before it was sharded."""
+        restore, module = self.restore, self.strategy.lightning_module
+        if restore is None or module is None:
+            return
+        if restore.model_state is not None:
+            self._load_state_dict(restore.model_state, strict=bool(restore.strict))  # each rank keeps its shards
+        elif restore.files is not None and restore.strict is not None:
+            ckpt.load_sharded_model(restore.files, module, strict=restore.strict)
+        restore.model_state, restore.strict = None, None

@@ -1,0 +1,283 @@
+"""A stage's sharding of the strategy's module: from the plain module to sharded units, and back.
+
+``ModuleSharding`` holds what one stage's sharding leaves behind (the snapshot of the module before it, the
+hooks that load full tensors into shards, FSDP2's gathered parameters, the pooled collective buffers,
+WeightAveraging's sharded copies) and gives the plain module back after a stage that ended normally.
+``ShardingPlan`` is what a cost model needs to know about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins import LayerSync
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from fsdp_strategy import host_memory
+from fsdp_strategy._compat import reset_iter_state
+from fsdp_strategy.launch.rendezvous import all_ranks_agree
+from fsdp_strategy.options import HostMemory, Options
+from fsdp_strategy.sharding import pruning
+from fsdp_strategy.sharding.deferred_init import (
+    has_meta_tensors,
+    materialize,
+    records_by_name,
+)
+from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.parallelize import (
+    ShardedUnit,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fully_shard,
+    load_full_tensors_into_shards,
+    plan_units,
+)
+from fsdp_strategy.sharding.policy import class_name, select_modules
+from fsdp_strategy.sharding.precision import mixed_precision_policy
+from fsdp_strategy.sharding.unshard import (
+    ShardingSnapshot,
+    full_state_bytes,
+    gathered_parameters,
+    unshard,
+)
+from fsdp_strategy.sizes import format_bytes
+from fsdp_strategy.step import averaging, comm_pool
+from fsdp_strategy.step.buffer_sync import check_sync_batchnorm, sync_module_states
+from fsdp_strategy.step.hooks import StepHooks
+
+__all__ = ["SYNC_BUCKET_BYTES", "ModuleSharding", "ShardingPlan", "is_sharded", "reshard_after_an_error"]
+
+SYNC_BUCKET_BYTES = 4 * 1024 * 1024  # larger tensors go alone, without a copy
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How :class:`FSDP2Strategy` shards a model in the current world: what a cost model (the
+    estimator, through ``ShardingMonitor``) needs to know besides the model and the Trainer."""
+
+    mesh_shape: tuple[int, int]  # (replicate, shard)
+    reshard_after_forward: bool | int
+    cpu_offload: bool
+
+
+class ModuleSharding:
+    """The strategy's module, sharded in ``setup()`` and given back after the stage."""
+
+    def __init__(self, options: Options, *, name: str) -> None:
+        self.options = options
+        self.name = name  # the strategy's, in messages
+        self.before: ShardingSnapshot | None = None
+        self.load_hooks: list[Any] = []
+        self.gathered: list[tuple[Tensor, Tensor]] | None = None  # (sharded, FSDP2's gathered) of each parameter
+        self.comm_buffers: comm_pool.BufferPool | None = None
+        self.averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
+        self.layer_sync: LayerSync | None = None  # the one applied in setup(), reverted after the stage
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled Trainer leaves out this process's hooks and buffers.
+        return {**self.__dict__, "load_hooks": [], "gathered": None, "comm_buffers": None, "averages": None}
+
+    @property
+    def offload(self) -> bool:
+        return isinstance(self.options.offload_policy, CPUOffloadPolicy)
+
+    def setup(
+        self,
+        model: nn.Module,
+        callbacks: list[Any],
+        *,
+        fitting: bool,
+        layer_sync: LayerSync | None,
+        host_group: Any,
+        device: torch.device,
+        **shard: Any,
+    ) -> nn.Module:
+        """The stage's module, sharded (see :meth:`shard` for ``shard``'s arguments), with WeightAveraging's copy
+        (made in the callback's setup, before sharding) sharded the same way."""
+        averaging.refuse_stochastic_weight_averaging(callbacks)
+        pruning.refuse_model_pruning(callbacks)
+        if isinstance(model, FSDPModule):  # a module an earlier stage left sharded (too big to gather), moved to CPU
+            self.move_to_device(model, device)
+            sync_module_states(model, host_group=host_group)  # the buffers; shards cannot disagree
+        else:
+            if fitting:
+                if layer_sync is not None:  # Trainer(sync_batchnorm=True), converted before sharding as DDP does
+                    model, self.layer_sync = layer_sync.apply(model), layer_sync
+                check_sync_batchnorm(model, device)
+            model = self.shard(model, host_group=host_group, device=device, **shard)
+        self.averages = averaging.ShardedAverages.attach(callbacks, model)
+        return model
+
+    def after_stage(self, model: nn.Module, *, interrupted: bool) -> nn.Module:
+        """As DDP after fit: BatchNorm layers again (a module left sharded keeps its SyncBatchNorm layers:
+        replacing a module would detach its parameters from the unit that manages them); after an error, no
+        unit left gathered."""
+        if self.layer_sync is not None and not is_sharded(model):
+            model, self.layer_sync = self.layer_sync.revert(model), None
+        if interrupted and isinstance(model, FSDPModule):
+            reshard_after_an_error(model)
+        return model
+
+    def mesh_shape(self, world_size: int, processes_per_node: int) -> tuple[int, int]:
+        """``(replicate_size, shard_size)`` for the world; raises ``ValueError`` when they do not fit."""
+        options = self.options
+        per_node = processes_per_node if options.hybrid else None
+        return resolve_mesh_shape(world_size, replicate_size=options.replicate_size, shard_size=options.shard_size, processes_per_node=per_node)
+
+    def shard(
+        self,
+        model: nn.Module,
+        *,
+        precision: Precision,
+        mesh: DeviceMesh,
+        mesh_shape: tuple[int, int],
+        device: torch.device,
+        host_group: Any,
+        init_weights: Callable[[nn.Module], None] | None,
+        restore: Callable[[], None],
+    ) -> nn.Module:
+        """A plain module sharded: as DDP, every rank starts from rank 0's parameters and buffers, then
+        ``restore`` loads what a checkpoint could not put in before sharding."""
+        model = precision.convert_module(model)
+        # Small buckets: a flat copy of 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a run.
+        sync_module_states(model, host_group=host_group, bucket_bytes=SYNC_BUCKET_BYTES)
+        self.parallelize(model, precision=precision, mesh=mesh, mesh_shape=mesh_shape, device=device, init_weights=init_weights)
+        restore()
+        if self.options.host_memory == HostMemory.RELEASE:  # the eager full copy was freed when its shards were made
+            host_memory.release()
+        return model
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        precision: Precision,
+        mesh: DeviceMesh,
+        mesh_shape: tuple[int, int],
+        device: torch.device,
+        init_weights: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
+        options = self.options
+        self.before = ShardingSnapshot(model)
+        mp_policy = self.mp_policy(precision)
+        keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
+        units = plan_units(model, options.wrap_policy, mp_policy=mp_policy, keep_norms_fp32=keep_norms_fp32)
+        deferred = records_by_name(model)  # fully_shard replaces the parameters that carry them
+        if options.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(select_modules(model, options.activation_checkpointing_policy))
+        if options.compile_blocks and options.wrap_policy is not None:
+            backend = "inductor" if options.compile_blocks is True else options.compile_blocks
+            apply_compile(select_modules(model, options.wrap_policy), backend=backend)
+        apply_fully_shard(
+            model,
+            units,
+            mesh,
+            root_mp_policy=mp_policy,
+            offload_policy=options.offload_policy,
+            reshard_after_forward=options.reshard_after_forward,
+        )
+        if options.reuse_comm_buffers:
+            # Blocks only: they gather every micro-batch; a pooled buffer of the groups kept from forward to
+            # backward (the embedding's with them) would stay allocated through the peak for nothing.
+            blocks = [unit.module for unit in units if unit.reshard_after_forward is None and len(unit.modules) == 1]
+            self.comm_buffers = comm_pool.reuse_buffers(blocks, shards=mesh.size(-1))
+        self.before.enable_copies(model)
+        self.before.added()
+        self.load_hooks = load_full_tensors_into_shards(model)
+        was_meta = has_meta_tensors(model)
+        materialize(model, torch.device("cpu") if self.offload else device, deferred)
+        self.move_to_device(model, device)
+        self.gathered = gathered_parameters(model)
+        self.before.pair_gathered(self.gathered)
+        if init_weights is not None:
+            init_weights(model)
+        self._log(model, units, was_meta, mesh_shape)
+
+    def mp_policy(self, precision: Precision) -> MixedPrecisionPolicy:
+        """The policy the units are sharded with: explicit, else derived from ``Trainer(precision=...)``."""
+        return self.options.mp_policy or mixed_precision_policy(precision.precision) or MixedPrecisionPolicy()
+
+    def move_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if self.offload:
+            # Offloaded shards live on the host; buffers are used in compute and go to the device.
+            for module in model.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    setattr(module, name, buffer.to(device))
+        else:
+            model.to(device)
+
+    def _log(self, model: nn.Module, units: list[ShardedUnit], was_meta: bool, mesh_shape: tuple[int, int]) -> None:
+        total = sum(p.numel() for p in model.parameters())
+        root_params = total - sum(u.num_params for u in units)
+        largest = max([(u.num_params, u.name) for u in units] + [(root_params, "<root>")])
+        replicate, shard = mesh_shape
+        rank_zero_info(
+            f"{self.name}: {len(units)} sharded units + root ({class_name(model)}), {total:,} parameters"
+            f" on a {'(replicate, shard) = ' + str((replicate, shard)) if replicate > 1 else f'{shard}-way sharded'}"
+            f" mesh; largest unit: {largest[1]} ({largest[0]:,} parameters)"
+            + ("; materialized from the meta device" if was_meta else "")
+        )
+
+    def adopt_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Parameters kept from before sharding (a ``list(self.head.parameters())`` made in ``__init__`` for a
+        parameter group of its own) stand for their shards, as under DDP they are the parameters trained."""
+        replacements = self.before.replacements() if self.before is not None else {}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [replacements.get(id(p), p) for p in group["params"]]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if params and not any(isinstance(p, DTensor) for p in params):
+                raise ValueError(
+                    "The optimizer does not reference any sharded parameter. HINT: create it in"
+                    " `configure_optimizers()` from `self.parameters()`, which the strategy calls after sharding."
+                )
+
+    def give_back(self, model: nn.Module, optimizers: list[Optimizer], hooks: StepHooks, *, processes_per_node: int, device: torch.device) -> None:
+        """After a stage that ended normally, the module the user passed in is plain again, as DDP leaves it: full
+        parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`.unshard`); the
+        optimizer states stay sharded. It stays sharded where its full parameters do not fit in host memory."""
+        if not isinstance(model, FSDPModule) or self.before is None:
+            return
+        needed = full_state_bytes(model, []) * processes_per_node
+        available = host_memory.available()
+        if not all_ranks_agree(available is None or needed <= available // 2, device):
+            rank_zero_info(
+                f"{self.name}: the module stays sharded after this stage: its full parameters"
+                f" ({format_bytes(needed)} for the {processes_per_node} processes of a node) do not fit in half of"
+                " the free host memory. Every rank must call its forward together; for one process, load a"
+                " consolidated checkpoint (`fsdp-strategy consolidate`) into a fresh module."
+            )
+            return
+        for handle in self.load_hooks:
+            handle.remove()
+        hooks.close(wait=True)  # the unused-parameter hooks sit on the sharded module's gathered parameters
+        self.gathered = None  # it holds the shards, which unshard() lets go one by one
+        self.comm_buffers = None
+        unshard(model, self.before, optimizers, device=torch.device("cpu"))
+        self.before, self.load_hooks = None, []
+        if self.averages is not None:  # as under DDP, WeightAveraging's copy is whole after the stage too
+            self.averages.close()
+            self.averages = None
+
+
+def reshard_after_an_error(model: FSDPModule) -> None:
+    """An exception inside a step leaves units gathered, and moving the module (teardown does) expects their
+    shards: failing there would hide the user's own error behind FSDP's ("no attribute '_local_tensor'")."""
+    try:
+        reset_iter_state(model)
+    except (AttributeError, RuntimeError):  # the error came before the first forward: nothing was gathered
+        pass
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(module, FSDPModule) for module in model.modules())
