@@ -61,7 +61,9 @@ def peak_rss_bytes() -> int:
 
 def peak_memory(device: torch.device, rss_at_start: int | None = None) -> dict[str, float]:
     """Peak host memory (and peak CUDA memory on a CUDA device) in bytes; NaN where not measurable."""
-    peak_rss = peak_rss_bytes()
+    # The kernel updates VmHWM from per-thread RSS counters that may lag by a few pages, so right after a reset it
+    # can read below the RSS of that moment; the peak since the start is at least the RSS then and now.
+    peak_rss = max(peak_rss_bytes(), rss_at_start or 0, current_rss_bytes() or 0)
     memory = {
         "peak_rss_bytes": float(peak_rss),
         "rss_growth_bytes": math.nan if rss_at_start is None else float(peak_rss - rss_at_start),
