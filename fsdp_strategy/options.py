@@ -18,9 +18,8 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_strategy.checkpoint import storage
-from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.option_checks import check_nonfinite_grads_option, check_positive_int
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
-from fsdp_strategy.step.guard import check_nonfinite_grads_option
 
 __all__ = [
     "HOOK_VIEWS",

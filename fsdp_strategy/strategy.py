@@ -1,7 +1,7 @@
 """``FSDP2Strategy``: Lightning's hooks, each delegating to the small modules of this package.
 
 Checkpoints go to :class:`~fsdp_strategy.checkpoint.manager.CheckpointManager`, the module's sharding and its
-giving back to :class:`~fsdp_strategy.sharding.plan.ModuleSharding`, the per-step features to the
+giving back to :class:`~fsdp_strategy.stage.ModuleSharding`, the per-step features to the
 :class:`~fsdp_strategy.step.hooks.StepHooks` built in ``setup()``, the process group to
 :class:`~fsdp_strategy.launch.process_group.ProcessGroup`; the options are checked once into ``options``.
 """
@@ -30,17 +30,17 @@ from typing_extensions import override
 
 from fsdp_strategy._compat import attached_trainer, set_device_mesh, sync_ddp
 from fsdp_strategy.checkpoint.manager import CheckpointManager
+from fsdp_strategy.checkpoint.resume_last import ResumingLauncher
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.launch.process_group import ProcessGroup
-from fsdp_strategy.launch.resume_last import ResumingLauncher
 from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_options
 from fsdp_strategy.sharding import precision as plugins
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
 from fsdp_strategy.sharding.mesh import build_device_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
-from fsdp_strategy.sharding.plan import ModuleSharding, ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
+from fsdp_strategy.stage import ModuleSharding, ShardingPlan
 from fsdp_strategy.step import averaging, hook_view, unused
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard

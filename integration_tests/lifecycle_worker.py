@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import fsdp_strategy
 from fsdp_strategy import host_memory
 from fsdp_strategy.launch import rendezvous
 from testkit.models import TinyLM, token_loader

@@ -10,8 +10,6 @@ before an optimizer step uses the damaged gradients (against DDP's parameters at
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 

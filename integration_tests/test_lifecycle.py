@@ -4,8 +4,6 @@ sharded, under ``fsdp2`` and, as the reference, ``ddp``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch

@@ -19,8 +19,8 @@ from fsdp_strategy import (
     export_safetensors,
 )
 from fsdp_strategy.checkpoint import storage, verify
+from fsdp_strategy.checkpoint.resume_last import find_last
 from fsdp_strategy.checkpoint.saving import remove_stale_staging, staging_token
-from fsdp_strategy.launch.resume_last import find_last
 from testkit.models import TinyLM, token_loader
 
 

@@ -6,7 +6,6 @@
 * ``precision``: ``Trainer(precision=...)`` as FSDP2 mixed-precision policies and precision plugins;
 * ``deferred_init`` and ``deferred_replay``: a model built on the meta device, each rank's shards then
   initialized as an eager build would have;
-* ``plan``: a stage's sharding of the strategy's module (``ModuleSharding``), from ``setup()`` to giving it back;
 * ``unshard``: the plain module the user built, given back after a stage (as DDP leaves it);
 * ``pruning``: what a sharded unit cannot do (Lightning's ``ModelPruning``), refused before training;
 * ``state_bytes``: the bytes of model state a rank holds, and what they take whole.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     FSDPModule,
@@ -26,14 +26,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_strategy._compat import reduce_root_gradients_after, tree_map
+from fsdp_strategy._compat import tree_map
 from fsdp_strategy.sharding.policy import ModulePolicy, select_modules
 from fsdp_strategy.sharding.precision import FULL_PRECISION_POLICY, is_normalization
-from fsdp_strategy.step.hooks import StepHook
 
 __all__ = [
     "no_gradient_sync",
-    "ShardedStepHook",
     "STEP_METHODS",
     "ShardedUnit",
     "apply_activation_checkpointing",
@@ -307,32 +305,3 @@ def no_gradient_sync(model: nn.Module | None, *, unless: bool) -> Generator[None
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-class ShardedStepHook(StepHook):
-    """What a sharded root needs around steps that FSDP2's own hooks do not cover: evaluation forwards and
-    manual optimization, where units gathered by a forward without backward must not survive an update."""
-
-    def __init__(self, model: FSDPModule) -> None:
-        self.model = model
-
-    def after_training_step(self, *, manual: bool) -> None:
-        if manual:
-            reshard_units(self.model)
-
-    def after_evaluation_step(self, during: str) -> None:
-        reshard_units(self.model)  # no backward frees the units kept gathered after forward
-
-    def before_backward(self, loss: Tensor, *, manual: bool) -> None:
-        if manual and loss.requires_grad:
-            reduce_root_gradients_after(self.model, loss)
-
-    def before_optimizer_step(self, *, manual: bool) -> None:
-        if manual:  # a unit gathered by a forward without backward would keep its values from before this update
-            reshard_units(self.model)
-
-    def after_optimizer_step(self, *, manual: bool) -> None:
-        if manual:
-            # The root's own parameters were gathered when training_step began and resharded by the
-            # backward that just ran; gather the updated shards so the rest of the step sees them.
-            self.model.unshard()

@@ -10,7 +10,7 @@ distance that DDP with autocast reaches).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.plugins.precision import (
@@ -27,8 +27,6 @@ from lightning.pytorch.plugins.precision import (
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-from fsdp_strategy.step.hook_view import WholeParameters
 
 __all__ = [
     "FSDP2_PLUGINS",
@@ -84,6 +82,15 @@ def precision_plugin_for(precision: str, device_type: str) -> Precision:
     )
 
 
+class ParameterView(Protocol):
+    """What the plugins open around ``on_before_optimizer_step`` (:class:`~fsdp_strategy.step.hook_view.WholeParameters`):
+    a protocol, so that the plugins need not import the step features."""
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _WholeParametersInHooks:
     """Runs ``on_before_optimizer_step`` with the whole parameters and gradients of :attr:`hook_view`
     (:class:`~fsdp_strategy.step.hook_view.WholeParameters`, set by the strategy; ``None``: the shards as they are).
@@ -92,7 +99,7 @@ class _WholeParametersInHooks:
     before clipping, which works on them across ranks.
     """
 
-    hook_view: WholeParameters | None = None
+    hook_view: ParameterView | None = None
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         if self.hook_view is None:

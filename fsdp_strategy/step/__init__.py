@@ -8,8 +8,8 @@
 * ``buffer_sync``: rank 0's parameters at the start and its buffers at each step, as DDP keeps them;
 * ``comm_pool``: reused flat buffers for FSDP2's collectives on CPU;
 * ``averaging``: Lightning's ``WeightAveraging`` (EMA) on a sharded module;
-* ``hook_view``: whole parameters and gradients for ``on_before_optimizer_step``, as under DDP.
+* ``hook_view``: whole parameters and gradients for ``on_before_optimizer_step``, as under DDP;
+* ``sharded_step``: what a sharded root needs around evaluation forwards and manual optimization.
 
-The hook of ``host_memory="release"`` lives with the glibc calls it makes, in :mod:`fsdp_strategy.host_memory`;
-the one of a sharded root around evaluation and manual optimization in :mod:`fsdp_strategy.sharding.parallelize`.
+The hook of ``host_memory="release"`` lives with the glibc calls it makes, in :mod:`fsdp_strategy.host_memory`.
 """

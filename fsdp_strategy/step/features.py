@@ -12,10 +12,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_strategy import host_memory
 from fsdp_strategy.options import HostMemory, Options
-from fsdp_strategy.sharding.parallelize import ShardedStepHook
 from fsdp_strategy.step.buffer_sync import BufferSyncHook
 from fsdp_strategy.step.guard import GuardHook, NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHook, StepHooks
+from fsdp_strategy.step.sharded_step import ShardedStepHook
 from fsdp_strategy.step.unit_order import UnitOrder, UnitOrderHook
 from fsdp_strategy.step.unused import UnusedHook, UnusedParameters
 

@@ -18,21 +18,19 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from fsdp_strategy.option_checks import check_nonfinite_grads_option
 from fsdp_strategy.step.hooks import StepHook
 
 __all__ = [
     "GuardHook",
-    "NONFINITE_GRADS_MODES",
     "NonFinite",
     "NonFiniteGradientError",
     "NonFiniteGuard",
-    "check_nonfinite_grads_option",
     "first_nonfinite",
     "guard_gradients",
     "named_optimizer_params",
 ]
 
-NONFINITE_GRADS_MODES = ("ignore", "skip", "raise")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -47,15 +45,6 @@ class NonFinite:
     name: str
     count: int
     total: int  # parameters checked
-
-
-def check_nonfinite_grads_option(value: Any) -> str:
-    accepted = ", ".join(repr(mode) for mode in NONFINITE_GRADS_MODES)
-    if not isinstance(value, str):
-        raise TypeError(f"`nonfinite_grads` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}.")
-    if value not in NONFINITE_GRADS_MODES:
-        raise ValueError(f"`nonfinite_grads` must be one of {accepted}; got {value!r}.")
-    return value
 
 
 def named_optimizer_params(module: nn.Module, optimizer: Optimizer) -> list[tuple[str, Tensor]]:
