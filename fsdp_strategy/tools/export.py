@@ -18,27 +18,17 @@ to check its header.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
 
-from fsdp_strategy.checkpoint import storage
-from fsdp_strategy.checkpoint.errors import damaged
-from fsdp_strategy.checkpoint.io import MODEL_KEY
-from fsdp_strategy.checkpoint.reader import OpenedCheckpoint, open_checkpoint
+from fsdp_strategy.checkpoint.weights import WeightEntry, read_model_weights
 from fsdp_strategy.sizes import format_bytes, parse_bytes
 from fsdp_strategy.tools.progress import progress_bar
 
@@ -62,20 +52,6 @@ _DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor to export: its name in the output, dtype, shape, and how to get its bytes."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    blocks: Callable[[], Iterator[torch.Tensor]]  # the tensor's bytes as contiguous tensors, in order
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -134,9 +110,9 @@ def export_safetensors(
     limit = parse_bytes(max_shard_size, option="max_shard_size")
     if not isinstance(prefix, str):
         raise TypeError(f"`prefix` must be a str such as 'model.'; got {prefix!r}.")
-    opened = open_checkpoint(checkpoint, weights_only=weights_only)
-    entries, hyper_parameters, total = _sharded_entries(opened) if opened.sharded else _file_entries(opened)
-    kept = [_renamed(entry, entry.name[len(prefix) :]) for entry in entries if entry.name.startswith(prefix)]
+    weights = read_model_weights(checkpoint, weights_only=weights_only)
+    entries, hyper_parameters, total = weights.entries, weights.hyper_parameters, weights.total
+    kept = [replace(entry, name=entry.name[len(prefix) :]) for entry in entries if entry.name.startswith(prefix)]
     if not kept:
         sample = ", ".join(repr(e.name) for e in entries[:3])
         raise ValueError(f"`prefix` {prefix!r} matches no weight of '{checkpoint}' (its weights start like {sample}).")
@@ -171,134 +147,7 @@ def export_safetensors(
     )
 
 
-def _renamed(entry: _Entry, name: str) -> _Entry:
-    return _Entry(name, entry.dtype, entry.shape, entry.blocks)
-
-
 # --- reading ------------------------------------------------------------------------------------------
-
-
-def _sharded_entries(opened: OpenedCheckpoint) -> tuple[list[_Entry], dict[str, Any], int]:
-    """The model's tensors (names without the checkpoint's ``model`` key), the hyper-parameters, and how
-    many model entries the checkpoint has (tensors or not)."""
-    files, metadata = opened.files, opened.metadata
-    hyper_parameters = opened.trainer_state().get("hyper_parameters") or {}
-    head = f"{MODEL_KEY}."
-    # The model's own order (save_pretrained splits in it): DCP's planner_data keeps the saved state dict's
-    # order, while state_dict_metadata lists the keys as the ranks' plans were merged.
-    saved_order = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    ordered = [key for key in saved_order if key in metadata.state_dict_metadata]
-    ordered += [key for key in metadata.state_dict_metadata if key not in saved_order]
-    keys = [key for key in ordered if key.startswith(head)]
-    entries = []
-    for key in keys:
-        md = metadata.state_dict_metadata[key]
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        rows = _row_blocks(files, metadata, key)
-        if rows is not None:
-            blocks: Callable[[], Iterator[torch.Tensor]] = lambda rows=rows, md=md: _read_rows(files, rows, md)
-        else:
-            blocks = lambda key=key: (t for _, t in opened.read_tensors([key]))  # noqa: E731
-        entries.append(_Entry(key[len(head) :], md.properties.dtype, tuple(md.size), blocks))
-    return entries, _as_dict(hyper_parameters), len(keys)
-
-
-def _row_blocks(files: storage.CheckpointFiles, metadata: Metadata, key: str) -> list[tuple[Any, ...]] | None:
-    """The tensor's saved blocks in row order if they are whole rows that tile it (FSDP's dim-0 shards):
-    ``(relative path, offset, length, rows)`` each; else ``None``."""
-    md = metadata.state_dict_metadata[key]
-    size = tuple(md.size)
-    if not size:
-        return None
-    blocks = []
-    for chunk in md.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if offsets[1:] != (0,) * (len(size) - 1) or sizes[1:] != size[1:]:
-            return None
-        info = metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
-        if info is None or getattr(info, "transform_descriptors", None):
-            return None
-        blocks.append((offsets[0], sizes[0], info.relative_path, info.offset, info.length))
-    blocks.sort()
-    covered = 0
-    for start, rows, *_ in blocks:
-        if start != covered:
-            return None
-        covered += rows
-    if covered != size[0]:
-        return None
-    return [(relative, offset, length, rows) for _, rows, relative, offset, length in blocks]
-
-
-def _read_rows(files: storage.CheckpointFiles, rows: list[tuple[Any, ...]], md: TensorStorageMetadata) -> Iterator[torch.Tensor]:
-    for relative, offset, length, count in rows:
-        if count == 0:
-            continue
-        with files.fs.open(files.path(relative), "rb") as stream:
-            # torch.load reads the block's storage straight from the file: one copy in memory, the block's.
-            block = torch.load(_Slice(stream, offset, length), map_location="cpu", weights_only=True)
-        expected = (count, *tuple(md.size)[1:])
-        if not isinstance(block, torch.Tensor) or tuple(block.shape) != expected or block.dtype != md.properties.dtype:
-            raise damaged(files.name, relative, f"shard file '{relative}' holds no {expected} block at byte {offset}.")
-        yield block
-        del block  # before the next block is read: the writer holds this one only while writing it
-
-
-class _Slice(io.RawIOBase):
-    """The bytes ``[offset, offset + length)`` of an open file, as a seekable file of their own."""
-
-    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
-        self._stream, self._offset, self._length, self._position = stream, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        self._position = max(0, min(self._length, base + position))
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        count = min(len(buffer), self._length - self._position)
-        if count <= 0:
-            return 0
-        self._stream.seek(self._offset + self._position)
-        # Straight into torch's buffer: a read() would hold a second copy of the block meanwhile.
-        read = self._stream.readinto(memoryview(buffer).cast("B")[:count])
-        self._position += read or 0
-        return read or 0
-
-
-def _file_entries(opened: OpenedCheckpoint) -> tuple[list[_Entry], dict[str, Any], int]:
-    """A single-file Lightning checkpoint (or a plain state dict), memory-mapped when local."""
-    source = opened.source
-    loaded = opened.load_file()
-    state = loaded.get("state_dict") if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict) else loaded
-    if not isinstance(state, dict):
-        raise ValueError(f"'{source}' is neither a sharded checkpoint nor a checkpoint file with a 'state_dict'.")
-    hyper_parameters = loaded.get("hyper_parameters") if state is not loaded else None
-    entries = [
-        _Entry(name, value.dtype, tuple(value.shape), lambda value=value: iter([value]))
-        for name, value in state.items()
-        if isinstance(value, torch.Tensor)
-    ]
-    return entries, _as_dict(hyper_parameters or {}), len(state)
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return dict(value)
-    return dict(vars(value)) if hasattr(value, "__dict__") else {}
-
-
-# --- the config -----------------------------------------------------------------------------------------
 
 
 def _config(config_from: Any, hyper_parameters: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -347,7 +196,7 @@ def _config_dict(value: Any) -> dict[str, Any] | None:
 # --- writing --------------------------------------------------------------------------------------------
 
 
-def _split(entries: list[_Entry], limit: int) -> Any:
+def _split(entries: list[WeightEntry], limit: int) -> Any:
     """The files and their tensors, as ``save_pretrained`` splits a state dict (``huggingface_hub``'s splitter)."""
     try:
         from huggingface_hub import split_state_dict_into_shards_factory
@@ -377,7 +226,7 @@ def _is_weights_file(name: str) -> bool:
     return name in (SAFETENSORS_NAME, INDEX_NAME) or (name.startswith("model-") and name.endswith(".safetensors"))
 
 
-def _header(entries: list[_Entry]) -> bytes:
+def _header(entries: list[WeightEntry]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     start = 0
     for entry in entries:
@@ -390,7 +239,7 @@ def _header(entries: list[_Entry]) -> bytes:
     return len(data).to_bytes(8, "little") + data
 
 
-def _write_file(path: Path, entries: list[_Entry], bar: Any) -> None:
+def _write_file(path: Path, entries: list[WeightEntry], bar: Any) -> None:
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
         with open(partial, "xb") as file:
@@ -416,7 +265,7 @@ def _write_file(path: Path, entries: list[_Entry], bar: Any) -> None:
             partial.unlink()
 
 
-def _check_written(path: Path, entries: list[_Entry]) -> None:
+def _check_written(path: Path, entries: list[WeightEntry]) -> None:
     """Opens the file with the ``safetensors`` library, which checks the header against the file."""
     try:
         from safetensors import safe_open
