@@ -4,7 +4,7 @@
 
 1. For each number of ranks, ``torch.distributed.run`` runs this file with ``--create DIR``: a model whose largest
    tensor is a 65536 x 1024 fp32 embedding (256 MiB), plus four 1024 x 1024 linears (4 MiB each), sharded with
-   ``fully_shard`` over the ranks and saved as a sharded checkpoint (``checkpoint.save_sharded``, meta.pt included).
+   ``fully_shard`` over the ranks and saved as a sharded checkpoint (``fsdp_strategy.checkpoint.writing.save_sharded``, meta.pt included).
    With 1 rank each tensor is one block (the worst case for the export); with 2 ranks two row blocks.
 2. Interleaved, ``--repeats`` times: (a) a process that imports what the command imports, (b) the command, OUT
    deleted after each run. Peak RSS is each child's ``ru_maxrss`` (``os.wait4``).
@@ -35,7 +35,6 @@ def create(directory: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_strategy.checkpoint import io as ckpt
     from fsdp_strategy.checkpoint import writing
     from fsdp_strategy.launch import rendezvous
     from fsdp_strategy.sharding.mesh import build_device_mesh

@@ -1,4 +1,5 @@
-"""Handing freed host memory back to the system, on glibc's malloc; a no-op on any other C library.
+"""Host memory: how much is available (``MemAvailable``), glibc's own count of the heap (``mallinfo2``), and
+handing freed memory back to the system (``malloc_trim``); the glibc calls are no-ops on any other C library.
 
 On CPU every tensor is a ``malloc`` block. glibc serves blocks below its mmap threshold from the heap, and that
 threshold follows the largest mmapped block freed so far (up to 32 MiB), so after the first large free most of
@@ -22,9 +23,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fsdp_strategy.step.hooks import StepHook
-
-__all__ = ["HeapStats", "ReleaseHook", "available", "heap_stats", "release", "supported"]
+__all__ = ["HeapStats", "available", "heap_stats", "release", "supported"]
 
 
 @dataclass(frozen=True)
@@ -90,17 +89,3 @@ def available() -> int | None:
     if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return None
-
-
-class ReleaseHook(StepHook):
-    """``host_memory='release'``: free heap pages handed back at each phase end of a training step."""
-
-    def after_forward(self, *, training: bool, gradient_sync: bool) -> None:
-        if training:  # the forward's freed buffers: holes the backward's may not fit
-            release()
-
-    def after_backward(self, *, reduced: bool) -> None:
-        release()
-
-    def after_optimizer_step(self, *, manual: bool) -> None:
-        release()  # the step's buffers are free now, the next step's not yet taken

@@ -421,18 +421,20 @@ class FSDP2Strategy(ParallelStrategy):
     def _teardown(self, trainer: pl.Trainer | None) -> None:
         # Settling a save and gathering the module are collectives: only when every rank ended the stage
         # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
-        ended_here = trainer is not None and not trainer.interrupted
-        ended = self.processes.stage_ended_on_every_rank(ended_here, world_size=self.world_size)
-        if ended:
-            self.checkpoints.wait()
-            self.step_hooks.stage_ended()
-            self.sharding.give_back(self.model, sharded_optimizers(self.optimizers), self.step_hooks, processes_per_node=self.num_processes, device=self.root_device)  # type: ignore[arg-type]
-        # The per-step features go with the stage, also when it failed or the module stays sharded: the unused-
-        # parameter hooks would otherwise keep the module alive after its Trainer (a later setup makes new ones).
-        self.step_hooks.close(wait=ended)
-        if not self.processes.peer_lost:
-            self.checkpoints.close()
-        self.processes.stop()
+        ended = self.processes.stage_ended_on_every_rank(trainer is not None and not trainer.interrupted, world_size=self.world_size)
+        try:
+            if ended:
+                self.checkpoints.wait()  # a failed background save raises here, on every rank
+                self.step_hooks.stage_ended()
+                self.sharding.give_back(self.model, sharded_optimizers(self.optimizers), self.step_hooks, processes_per_node=self.num_processes, device=self.root_device)  # type: ignore[arg-type]
+        except BaseException:
+            ended = False  # nothing more is waited for
+            raise
+        finally:  # the stage's features go, also after a failure: the unused-parameter hooks would keep the module alive
+            self.step_hooks.close(wait=ended)
+            if not self.processes.peer_lost:
+                self.checkpoints.close()
+            self.processes.stop()
         if self.model is not None:
             self.model = self.sharding.after_stage(self.model, interrupted=trainer is not None and trainer.interrupted)
         if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
@@ -444,6 +446,4 @@ class FSDP2Strategy(ParallelStrategy):
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
             return
-        # As under DDP, this moves the module and optimizer states to CPU (a no-op on a CPU accelerator;
-        # the module is plain again by now unless it was too big) and tears down the CheckpointIO plugin.
-        super().teardown()
+        super().teardown()  # as under DDP: module and optimizer states to CPU (a no-op there), CheckpointIO torn down

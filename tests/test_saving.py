@@ -345,6 +345,25 @@ def test_an_async_full_save_holds_its_steps_state_while_training_goes_on(trainer
     assert {float(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == at_step_2["steps"] == {2.0}
 
 
+def test_a_last_background_save_that_fails_is_raised_and_the_stage_still_lets_go_of_the_module(trainer_env, tmp_path):
+    # The step-2 save fails in the background; the end of the stage raises it on every rank, and the per-step
+    # features (whose hooks hold the module) and the save thread go all the same: in the strategy's teardown, and
+    # in the second one Lightning runs after an error in the first.
+    directory = tmp_path / "checkpoints"
+    disk = Disk(directory, room=0).install()
+    saves = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)
+    strategy = FSDP2Strategy(state_dict_type="sharded", async_save=True)
+    run = trainer(tmp_path, strategy=strategy, max_steps=2, callbacks=[AtSteps({1: lambda m: disk.arm()}), saves], enable_checkpointing=True)
+    try:
+        with pytest.raises(CheckpointSaveError, match="no space left on device"):
+            run.fit(TinyLM(), token_loader(batch_size=4, samples=16))
+    finally:
+        disk.uninstall()
+    assert list(strategy.step_hooks) == []
+    assert strategy.checkpoints.saves._executor is None  # the save thread is stopped
+    assert not (directory / "epoch=0-step=2.ckpt").exists()
+
+
 def test_a_checkpoint_io_plugin_that_cannot_write_shards_is_refused_before_training(trainer_env, tmp_path):
     message = (
         "The CheckpointIO plugin RecordingIO saves single checkpoint files, and FSDP2Strategy saves a directory of"

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint import FileSystemReader
+
+from fsdp_strategy._compat import FsspecReader
 from fsdp_strategy.checkpoint.errors import damaged
 
 __all__ = [
@@ -225,10 +228,6 @@ class CheckpointFiles:
 
     def reader(self) -> Any:
         """DCP's storage reader for these files."""
-        from torch.distributed.checkpoint import FileSystemReader
-
-        from fsdp_strategy._compat import FsspecReader
-
         return FsspecReader(self.source) if self.remote else FileSystemReader(self.source)
 
 

@@ -47,11 +47,11 @@ from fsdp_strategy._compat import (
     tree_unflatten,
 )
 from fsdp_strategy.sharding.deferred_replay import (
-    _OVERWRITES,
+    OVERWRITES,
     RECORD_ATTRIBUTE,
     DeferredInitError,
-    _Record,
-    _Write,
+    Record,
+    Write,
     has_meta_tensors,
     materialize,
 )
@@ -78,14 +78,14 @@ _COPIES = {aten.clone.default, aten._to_copy.default}
 class DeferredTensor(torch.Tensor):
     """A parameter under construction: real shape, dtype and device, no memory; in-place writes are recorded."""
 
-    _record: _Record
+    _record: Record
     _shadow: Tensor
 
     # Every op reaches __torch_dispatch__: there is no Python-level behaviour to keep.
     __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, shadow: Tensor, record: _Record) -> DeferredTensor:
+    def __new__(cls, shadow: Tensor, record: Record) -> DeferredTensor:
         tensor = make_wrapper_subclass(cls, shadow, device=record.device)
         tensor._shadow = shadow
         tensor._record = record
@@ -179,10 +179,10 @@ def _record_write(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec:
     except Exception:  # noqa: BLE001 - an op meta tensors cannot run (data-dependent): done for real instead
         return False
     shadow = target._shadow
-    if func in _OVERWRITES and record.is_whole(shadow):
+    if func in OVERWRITES and record.is_whole(shadow):
         record.start_over()
     kept = [None if i == position else leaf for i, leaf in enumerate(leaves)]
-    record.writes.append(_Write(func, tuple(shadow.shape), shadow.stride(), shadow.storage_offset(), position, kept, spec))
+    record.writes.append(Write(func, tuple(shadow.shape), shadow.stride(), shadow.storage_offset(), position, kept, spec))
     return True
 
 
@@ -195,13 +195,13 @@ def _deferred_copy(func: Any, source: DeferredTensor, kwargs: dict) -> DeferredT
         return None
     geometry = {name: value for name, value in kwargs.items() if name not in ("device", "pin_memory", "non_blocking")}
     shadow = func(source._shadow, **geometry)
-    return DeferredTensor(shadow, _Record(source._record.owner, device, shadow, base=source._record.fork()))
+    return DeferredTensor(shadow, Record(source._record.owner, device, shadow, base=source._record.fork()))
 
 
 def _deferred_from(values: Tensor, owner: str) -> DeferredTensor:
     """A deferred tensor that starts from ``values`` (kept, not copied, as a parameter keeps its data)."""
     shadow = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype, device="meta")
-    return DeferredTensor(shadow, _Record(owner, values.device, shadow, initial=values))
+    return DeferredTensor(shadow, Record(owner, values.device, shadow, initial=values))
 
 
 def _adopt(tensor: DeferredTensor, value: Tensor) -> None:
@@ -299,7 +299,7 @@ def deferred_init(device: torch.device) -> Iterator[None]:
         _to_meta([m for ref in owners if (m := ref()) is not None])
 
 
-def records_by_name(model: nn.Module) -> dict[str, _Record]:
+def records_by_name(model: nn.Module) -> dict[str, Record]:
     """The records of ``model``'s deferred parameters, by name, taken before ``fully_shard`` replaces them."""
     _to_meta([model])  # deferred parameters the context did not reach: a deep copy kept outside any module
     # Taken off the parameters: a record holds the tensors its writes copy from (a loaded state dict).

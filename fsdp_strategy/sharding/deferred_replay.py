@@ -1,6 +1,6 @@
 """Replaying the initialization :mod:`fsdp_strategy.sharding.deferred_init` recorded, on each rank's shards.
 
-A :class:`_Record` holds how one parameter gets its values: values it started from (``initial``, or
+A :class:`Record` holds how one parameter gets its values: values it started from (``initial``, or
 ``base``: another record's values converted, as ``.half()`` or ``.clone()`` made them), then the in-place
 writes made to it, in order. :func:`materialize` replays them after ``fully_shard``, in one of two ways:
 
@@ -36,14 +36,14 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_strategy._compat import op_arguments, tensor_version, tree_unflatten
 from fsdp_strategy.sharding.policy import class_name
 
-__all__ = ["DeferredInitError", "has_meta_tensors", "materialize"]
+__all__ = ["OVERWRITES", "DeferredInitError", "Record", "Write", "has_meta_tensors", "materialize"]
 
 aten = torch.ops.aten
 
 # In-place ops that replace every element they write without reading it. On rows they are replayed row
 # by row (``copy_`` only ever with a 0-dim source there); on the whole parameter they make what came
 # before irrelevant.
-_OVERWRITES = {
+OVERWRITES = {
     aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
     aten.copy_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.exponential_.default, aten.geometric_.default,
     aten.log_normal_.default, aten.cauchy_.default, aten.random_.default, getattr(aten.random_, "from"),
@@ -60,7 +60,7 @@ class DeferredInitError(RuntimeError):
 
 
 @dataclass(eq=False)
-class _Write:
+class Write:
     """One recorded in-place op: ``op`` applied to the view ``(size, stride, offset)`` of the parameter,
     the view standing at position ``target`` of the op's flattened ``(args, kwargs)``."""
 
@@ -84,7 +84,7 @@ class _Write:
     @property
     def by_rows(self) -> bool:
         """Whether the op, on a block of rows, writes each row from that row alone."""
-        return self.op in _OVERWRITES or torch.Tag.pointwise in self.op.tags
+        return self.op in OVERWRITES or torch.Tag.pointwise in self.op.tags
 
     @property
     def tensor_operands(self) -> bool:
@@ -115,21 +115,21 @@ class _Write:
 
 
 @dataclass(eq=False)
-class _Record:
+class Record:
     """How one parameter built under ``deferred_init`` gets its values."""
 
     owner: str  # "Linear.weight": the module class and attribute, for messages
     device: torch.device
     shadow: Tensor  # a meta tensor with the parameter's geometry; views of it give views' geometry
     initial: Tensor | None = None  # the values it was created with, while a later write may still read them
-    base: _Record | None = None  # or: another record's values (a copy of it), converted to this dtype
-    writes: list[_Write] = field(default_factory=list)
+    base: Record | None = None  # or: another record's values (a copy of it), converted to this dtype
+    writes: list[Write] = field(default_factory=list)
     full: Tensor | None = None  # set when the construction read the parameter, so it was built in full
 
-    def fork(self) -> _Record:
+    def fork(self) -> Record:
         """A record that replays to the same values as this one does now, and goes on on its own."""
         full = None if self.full is None else self.full.clone()
-        return _Record(self.owner, self.device, self.shadow, self.initial, self.base, list(self.writes), full)
+        return Record(self.owner, self.device, self.shadow, self.initial, self.base, list(self.writes), full)
 
     def is_whole(self, view: Tensor) -> bool:
         shadow = self.shadow
@@ -147,7 +147,7 @@ class _Record:
             self.full = self.build_full(None)
             self.start_over()
 
-    def rows_written(self, write: _Write) -> tuple[int, int, bool] | None:
+    def rows_written(self, write: Write) -> tuple[int, int, bool] | None:
         """``(first, end, single)`` when ``write`` covers whole rows (dim 0) of the parameter: all of it, a
         block of rows (``w[2:5]``), or one row (``w[pad]``, ``single``); ``None`` for any other view."""
         shape, stride = tuple(self.shadow.shape), self.shadow.stride()
@@ -216,7 +216,7 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def materialize(model: nn.Module, device: torch.device, records: dict[str, _Record]) -> None:
+def materialize(model: nn.Module, device: torch.device, records: dict[str, Record]) -> None:
     """Allocates ``model``'s meta tensors on ``device`` (each rank only its shards) and fills them:
     recorded parameters by replaying their writes, the others with their modules' ``reset_parameters()``.
     Tensors that were not on the meta device keep their values.
@@ -260,7 +260,7 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _refuse_what_cannot_be_initialized(model: nn.Module, records: dict[str, _Record]) -> None:
+def _refuse_what_cannot_be_initialized(model: nn.Module, records: dict[str, Record]) -> None:
     problems = [f"buffer '{name}'" for name, buffer in model.named_buffers() if buffer.is_meta]
     seen: set[int] = set()  # a tied parameter under its first name, as named_parameters() gives it
     for module_name, module in model.named_modules():
@@ -282,7 +282,7 @@ def _refuse_what_cannot_be_initialized(model: nn.Module, records: dict[str, _Rec
         )
 
 
-def _plan(records: dict[str, _Record], via: torch.device) -> tuple[int, set[str]]:
+def _plan(records: dict[str, Record], via: torch.device) -> tuple[int, set[str]]:
     """Rank 0's seed, and the records to build in full and broadcast: those that need it on any rank,
     and those that ranks recorded differently. One collective, so that every rank decides the same."""
     if not records:  # a model the user put on the meta device: nothing to agree on
@@ -302,7 +302,7 @@ def _plan(records: dict[str, _Record], via: torch.device) -> tuple[int, set[str]
     return int(plan[0]), broadcast
 
 
-def _fill(param: Tensor, record: _Record, *, seed: int, broadcast: bool, via: torch.device) -> None:
+def _fill(param: Tensor, record: Record, *, seed: int, broadcast: bool, via: torch.device) -> None:
     """Writes this rank's part of a recorded parameter into ``param`` (a DTensor shard or a plain tensor)."""
     local = _local(param)
     rows = _local_rows(param)

@@ -9,7 +9,9 @@
 * ``comm_pool``: reused flat buffers for FSDP2's collectives on CPU;
 * ``averaging``: Lightning's ``WeightAveraging`` (EMA) on a sharded module;
 * ``hook_view``: whole parameters and gradients for ``on_before_optimizer_step``, as under DDP;
-* ``sharded_step``: what a sharded root needs around evaluation forwards and manual optimization.
+* ``sharded_step``: what a sharded root needs around evaluation forwards and manual optimization;
+* ``release``: ``host_memory="release"``, free heap pages handed back at each phase end of a step.
 
-The hook of ``host_memory="release"`` lives with the glibc calls it makes, in :mod:`fsdp_strategy.host_memory`.
+``comm_pool`` and ``averaging`` are set up with the sharding of a stage (:mod:`fsdp_strategy.stage`) and act in
+the collectives and the optimizer step they serve.
 """

@@ -10,11 +10,11 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_strategy import host_memory
 from fsdp_strategy.options import HostMemory, Options
 from fsdp_strategy.step.buffer_sync import BufferSyncHook
 from fsdp_strategy.step.guard import GuardHook, NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHook, StepHooks
+from fsdp_strategy.step.release import ReleaseHook
 from fsdp_strategy.step.sharded_step import ShardedStepHook
 from fsdp_strategy.step.unit_order import UnitOrder, UnitOrderHook
 from fsdp_strategy.step.unused import UnusedHook, UnusedParameters
@@ -40,7 +40,7 @@ def step_hooks(
     if fitting:
         hooks.append(BufferSyncHook(model))
     if options.host_memory == HostMemory.RELEASE:
-        hooks.append(host_memory.ReleaseHook())
+        hooks.append(ReleaseHook())
     if isinstance(model, FSDPModule):
         hooks.append(ShardedStepHook(model))
     order = UnitOrder.attach(model, group=host_group)

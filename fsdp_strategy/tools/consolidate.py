@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from fsdp_strategy.checkpoint.io import MODEL_KEY
 from fsdp_strategy.checkpoint.reader import open_checkpoint
 from fsdp_strategy.sizes import format_bytes
+from fsdp_strategy.tools.export import export_safetensors
 from fsdp_strategy.tools.progress import progress_bar
 
 __all__ = ["ConsolidatedFile", "consolidate_checkpoint", "consolidate_to_file"]
@@ -109,8 +110,6 @@ def consolidate_checkpoint(
         IsADirectoryError: ``output_file`` is a directory.
     """
     if format == "safetensors":
-        from fsdp_strategy.tools.export import export_safetensors
-
         return export_safetensors(
             checkpoint_dir,
             output_file,
