@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NONFINITE_GRADS_MODES", "check_nonfinite_grads_option", "check_positive_int"]
-
-# FSDP2Strategy(nonfinite_grads=...): what the gradient guard does with a NaN or inf (fsdp_strategy.step.guard).
-NONFINITE_GRADS_MODES = ("ignore", "skip", "raise")
+__all__ = ["check_positive_int"]
 
 
 def check_positive_int(option: str, value: Any, *, accepted: str = "a positive int") -> None:
@@ -18,12 +15,3 @@ def check_positive_int(option: str, value: Any, *, accepted: str = "a positive i
         raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
     if value <= 0:
         raise ValueError(f"`{option}` must be {accepted}; got {value}.")
-
-
-def check_nonfinite_grads_option(value: Any) -> str:
-    accepted = ", ".join(repr(mode) for mode in NONFINITE_GRADS_MODES)
-    if not isinstance(value, str):
-        raise TypeError(f"`nonfinite_grads` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}.")
-    if value not in NONFINITE_GRADS_MODES:
-        raise ValueError(f"`nonfinite_grads` must be one of {accepted}; got {value!r}.")
-    return value

@@ -18,11 +18,12 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_strategy.checkpoint import storage
-from fsdp_strategy.option_checks import check_nonfinite_grads_option, check_positive_int
+from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
 __all__ = [
     "HOOK_VIEWS",
+    "NONFINITE_GRADS_MODES",
     "STATE_DICT_TYPES",
     "CheckpointFormat",
     "HookView",
@@ -30,6 +31,7 @@ __all__ = [
     "NonFiniteGrads",
     "Options",
     "StateDictType",
+    "check_nonfinite_grads_option",
     "check_options",
 ]
 
@@ -74,6 +76,16 @@ class HookView(_Mode):
 STATE_DICT_TYPES = tuple(mode.value for mode in StateDictType)
 HOOK_VIEWS = tuple(mode.value for mode in HookView)
 HOST_MEMORY_MODES = tuple(mode.value for mode in HostMemory)
+NONFINITE_GRADS_MODES = tuple(mode.value for mode in NonFiniteGrads)
+
+
+def check_nonfinite_grads_option(value: Any) -> str:
+    accepted = ", ".join(repr(mode) for mode in NONFINITE_GRADS_MODES)
+    if not isinstance(value, str):
+        raise TypeError(f"`nonfinite_grads` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}.")
+    if value not in NONFINITE_GRADS_MODES:
+        raise ValueError(f"`nonfinite_grads` must be one of {accepted}; got {value!r}.")
+    return value
 
 
 @dataclass(frozen=True)

@@ -162,10 +162,15 @@ def open_checkpoint(
     ``sharded_only``: not a sharded one), :class:`~fsdp_strategy.CheckpointError` if it is damaged.
     """
     source = storage.location(checkpoint)
-    if not looks_like_sharded_checkpoint(source):
-        if sharded_only:
-            _require_sharded_directory(source)
+    if not sharded_only and not looks_like_sharded_checkpoint(source):
         return OpenedCheckpoint(source, weights_only)
+    if isinstance(source, Path):
+        if not source.exists():
+            raise FileNotFoundError(f"checkpoint directory {source} does not exist")
+        if not source.is_dir():
+            raise ValueError(
+                f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
+            )
     files = storage.checkpoint_files(source)  # a URL: its manifest, read once
     if not files.is_file(DCP_METADATA_FILENAME):
         raise ValueError(
@@ -181,16 +186,3 @@ def open_checkpoint(
     verify_sharded_checkpoint(files, weights_only=weights_only)
     metadata = read_dcp_metadata(files)  # not the reader's read_metadata(): that is pickle.load
     return OpenedCheckpoint(source, weights_only, files, metadata)
-
-
-def _require_sharded_directory(source: Path | str) -> None:
-    if isinstance(source, Path):
-        if not source.exists():
-            raise FileNotFoundError(f"checkpoint directory {source} does not exist")
-        if not source.is_dir():
-            raise ValueError(
-                f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
-            )
-    raise ValueError(
-        f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file (the Distributed Checkpoint index)"
-    )

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fsdp_strategy.option_checks import check_nonfinite_grads_option
+from fsdp_strategy.options import check_nonfinite_grads_option
 from fsdp_strategy.step.hooks import StepHook
 
 __all__ = [
