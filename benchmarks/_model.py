@@ -14,6 +14,7 @@ MODEL_SOURCE = "fsdp_strategy.tools.benchmark.gpt:GPT"
 BenchModel = benchmark_class(GPT, "fsdp2")
 
 
-def build_model(*, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                cls: type = BenchModel) -> L.LightningModule:
+def build_model(
+    *, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, cls: type = BenchModel
+) -> L.LightningModule:
     return cls(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)

@@ -39,7 +39,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckpt_common as cc
-import torch
 import torch.distributed as dist
 
 from fsdp_strategy.options import CheckpointFormat
@@ -51,7 +50,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tmp", default=None, help="parent of the temporary checkpoint folder (default: $TMPDIR or /tmp)")
+    parser.add_argument(
+        "--tmp", default=None, help="parent of the temporary checkpoint folder (default: $TMPDIR or /tmp)"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results", "checkpoint_io.json"))
     args = parser.parse_args()
 
@@ -74,7 +75,7 @@ def main() -> None:
     sizes: dict[str, int] = {}
     try:
         for r in range(args.repeats):
-            order = MODES[r % 3:] + MODES[: r % 3]
+            order = MODES[r % 3 :] + MODES[: r % 3]
             for mode in order:
                 path = os.path.join(workdir, f"r{r}_{mode}" + (".ckpt" if mode == "full" else ""))
                 strategy.checkpoints.format = CheckpointFormat.FULL if mode == "full" else CheckpointFormat.SHARDED
@@ -97,8 +98,10 @@ def main() -> None:
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
                     extra = f" (returned after {t1 - t0:.2f} s)" if mode == "async" else ""
                     total = (t2 - t0) if mode == "async" else (t1 - t0)
-                    print(f"[checkpoint_io] repeat {r} {mode:8s} {total:7.2f} s{extra}  "
-                          f"{sizes[mode] / 2**20:.0f} MiB", flush=True)
+                    print(
+                        f"[checkpoint_io] repeat {r} {mode:8s} {total:7.2f} s{extra}  {sizes[mode] / 2**20:.0f} MiB",
+                        flush=True,
+                    )
                 dist.barrier()
     finally:
         strategy.checkpoints.async_save = False

@@ -120,12 +120,27 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             os.path.abspath(__file__), "--create", ckpt_dir],
-            check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                os.path.abspath(__file__),
+                "--create",
+                ckpt_dir,
+            ],
+            check=True,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
         )
-        print(f"[consolidate_memory] sharded checkpoint written in {time.perf_counter() - t0:.1f} s: "
-              f"{cc.dir_bytes(ckpt_dir) / MiB:.0f} MiB on disk", flush=True)
+        print(
+            f"[consolidate_memory] sharded checkpoint written in {time.perf_counter() - t0:.1f} s: "
+            f"{cc.dir_bytes(ckpt_dir) / MiB:.0f} MiB on disk",
+            flush=True,
+        )
         sbytes, ntensors = state_bytes(ckpt_dir)
 
         cmds = {
@@ -148,8 +163,11 @@ def main() -> None:
                         res["summary"] = f.read().strip().splitlines()[-1]
                     os.remove(out_file)
                 runs[name].append(res)
-                print(f"[consolidate_memory] repeat {r} {name:12s} peak RSS {res['maxrss_bytes'] / MiB:7.0f} MiB "
-                      f"(polled {res['polled_peak_rss_bytes'] / MiB:.0f}), {res['wall_s']:.1f} s", flush=True)
+                print(
+                    f"[consolidate_memory] repeat {r} {name:12s} peak RSS {res['maxrss_bytes'] / MiB:7.0f} MiB "
+                    f"(polled {res['polled_peak_rss_bytes'] / MiB:.0f}), {res['wall_s']:.1f} s",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -174,8 +192,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"[consolidate_memory] state: {ntensors} tensors, {sbytes / MiB:.0f} MiB; consolidated file "
-          f"{(out_bytes or 0) / MiB:.0f} MiB")
+    print(
+        f"[consolidate_memory] state: {ntensors} tensors, {sbytes / MiB:.0f} MiB; consolidated file "
+        f"{(out_bytes or 0) / MiB:.0f} MiB"
+    )
     print(f"  peak RSS consolidate  {peak / MiB:7.0f} MiB (median of {args.repeats})")
     print(f"  RSS import fsdp_strategy {base / MiB:7.0f} MiB; with CLI+consolidate imports {base_cli / MiB:.0f} MiB")
     for k, v in ratios.items():

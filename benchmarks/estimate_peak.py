@@ -35,8 +35,16 @@ CONFIGS = [
 
 def predicted(config: str, model_args: dict, world_size: int, batch_size: int, seq_len: int) -> int:
     strategy, precision, checkpointing = parse_config(config)
-    report = estimate(GPT, init_args=model_args, world_sizes=[world_size], precision=precision, strategies=[strategy],
-                      batch_size=batch_size, seq_len=seq_len, activation_checkpointing=checkpointing)
+    report = estimate(
+        GPT,
+        init_args=model_args,
+        world_sizes=[world_size],
+        precision=precision,
+        strategies=[strategy],
+        batch_size=batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=checkpointing,
+    )
     (row,) = report.rows
     return row.checkpointed_peak_bytes if checkpointing else row.step_peak_bytes
 
@@ -44,11 +52,31 @@ def predicted(config: str, model_args: dict, world_size: int, batch_size: int, s
 def _measure(configs: list[str], model_args: dict, args: argparse.Namespace) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         measured_file = Path(tmp) / "measured.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
-               "-m", "testkit.peak_runs", "--configs", ",".join(configs), "--model-args",
-               json.dumps(model_args), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-               "--out", str(measured_file)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, stdout=subprocess.DEVNULL)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.world_size}",
+            "-m",
+            "testkit.peak_runs",
+            "--configs",
+            ",".join(configs),
+            "--model-args",
+            json.dumps(model_args),
+            "--batch-size",
+            str(args.batch_size),
+            "--seq-len",
+            str(args.seq_len),
+            "--out",
+            str(measured_file),
+        ]
+        subprocess.run(
+            cmd,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads(measured_file.read_text())
 
 
@@ -59,9 +87,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--separate", action="store_true",
-                        help="one launch per configuration: a module that stays sharded after fit (too little free"
-                        " host memory to give it back whole) keeps its tensors alive into the next configuration")
+    parser.add_argument(
+        "--separate",
+        action="store_true",
+        help="one launch per configuration: a module that stays sharded after fit (too little free"
+        " host memory to give it back whole) keeps its tensors alive into the next configuration",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     model_args = dict(GPT_SIZES[args.size])
@@ -74,8 +105,11 @@ def main() -> None:
             actual = max(measured[config])
             rows.append({"config": config, "predicted": guess, "measured": measured[config]})
             strategy, precision, checkpointing = parse_config(config)
-            print(f"| {args.size} | {args.world_size} | `{strategy}` | {precision} | {'Block' if checkpointing else '-'} |"
-                  f" {guess / MiB:,.1f} | {actual / MiB:,.1f} | {(guess - actual) / actual:+.2%} |", flush=True)
+            print(
+                f"| {args.size} | {args.world_size} | `{strategy}` | {precision} | {'Block' if checkpointing else '-'} |"
+                f" {guess / MiB:,.1f} | {actual / MiB:,.1f} | {(guess - actual) / actual:+.2%} |",
+                flush=True,
+            )
         summary = {**vars(args), "out": str(args.out), "model_args": model_args, "rows": rows}
         args.out.write_text(json.dumps(summary, indent=1))
 

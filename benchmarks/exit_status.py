@@ -82,8 +82,11 @@ def main() -> None:
                 # A rank-1 child of Lightning's launcher that aborts after rank 0 exited shows only in the output.
                 if code != 0 or not both_done or "terminate called" in output:
                     failures[f"status {code}: {signature(output)}"] += 1
-        print(f"{launcher}: {args.launches} launches, {sum(failures.values())} not ending with status 0 on every rank"
-              + "".join(f"\n  {count} x {what}" for what, count in failures.items()), flush=True)
+        print(
+            f"{launcher}: {args.launches} launches, {sum(failures.values())} not ending with status 0 on every rank"
+            + "".join(f"\n  {count} x {what}" for what, count in failures.items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

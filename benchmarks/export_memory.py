@@ -79,19 +79,51 @@ def main() -> None:
         for ranks in [int(r) for r in args.ranks.split(",")]:
             directory, out = os.path.join(root, f"ckpt{ranks}"), os.path.join(root, "out")
             subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__, "--create", directory],
-                cwd=REPO, env=env, check=True, capture_output=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={ranks}",
+                    __file__,
+                    "--create",
+                    directory,
+                ],
+                cwd=REPO,
+                env=env,
+                check=True,
+                capture_output=True,
             )
             ratios, seconds = [], []
             for _ in range(args.repeats):
                 baseline, _ = peak([sys.executable, "-c", IMPORTS])
-                exported, wall = peak([sys.executable, "-m", "fsdp_strategy", "consolidate", directory, out, "--format", "safetensors", "--no-progress"])
+                exported, wall = peak(
+                    [
+                        sys.executable,
+                        "-m",
+                        "fsdp_strategy",
+                        "consolidate",
+                        directory,
+                        out,
+                        "--format",
+                        "safetensors",
+                        "--no-progress",
+                    ]
+                )
                 shutil.rmtree(out, ignore_errors=True)
                 ratios.append((exported - baseline) / largest)
                 seconds.append(wall)
-                print(f"ranks={ranks}: import peak {baseline / MiB:.0f} MiB, export peak {exported / MiB:.0f} MiB,"
-                      f" growth {(exported - baseline) / MiB:.0f} MiB = {ratios[-1]:.3f} x largest tensor, {wall:.1f} s", flush=True)
-            results[ranks] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "seconds": statistics.median(seconds)}
+                print(
+                    f"ranks={ranks}: import peak {baseline / MiB:.0f} MiB, export peak {exported / MiB:.0f} MiB,"
+                    f" growth {(exported - baseline) / MiB:.0f} MiB = {ratios[-1]:.3f} x largest tensor, {wall:.1f} s",
+                    flush=True,
+                )
+            results[ranks] = {
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "seconds": statistics.median(seconds),
+            }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results, indent=2))

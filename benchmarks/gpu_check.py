@@ -77,8 +77,16 @@ def trainer(args: argparse.Namespace, strategy: str, precision: str, steps: int,
     )  # fmt: skip
 
 
-def train(args: argparse.Namespace, shape: dict, strategy: str, precision: str, steps: int, batch_size: int,
-          seq_len: int, callbacks=()) -> GPT:  # type: ignore[no-untyped-def]
+def train(
+    args: argparse.Namespace,
+    shape: dict,
+    strategy: str,
+    precision: str,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    callbacks=(),
+) -> GPT:  # type: ignore[no-untyped-def]
     """Trains a fresh GPT; returns the module (after fit a plain module again, holding the trained values)."""
     torch.manual_seed(SEED)
     run = trainer(args, strategy, precision, steps, callbacks)
@@ -95,8 +103,12 @@ def part_parity(args: argparse.Namespace) -> dict:
     shape = GPT_SIZES["tiny" if args.tiny else "small"]
     common = {"steps": 5, "batch_size": 4, "seq_len": 64 if args.tiny else 256}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 really fp32
-    runs = {("ddp", "32-true"): None, ("fsdp2", "32-true"): None, ("ddp", "bf16-mixed"): None,
-            ("fsdp2", "bf16-mixed"): None}
+    runs = {
+        ("ddp", "32-true"): None,
+        ("fsdp2", "32-true"): None,
+        ("ddp", "bf16-mixed"): None,
+        ("fsdp2", "bf16-mixed"): None,
+    }
     if args.device == "cuda":
         runs[("fsdp2_offload", "32-true")] = None
         # fp16 with the sharded gradient scaler (its overflow check agreed over NCCL); on a CPU accelerator
@@ -120,12 +132,17 @@ def part_parity(args: argparse.Namespace) -> dict:
         result["fp16_error_fsdp2"] = distance(("fsdp2", "16-mixed"))
         result["fp16_error_ratio"] = result["fp16_error_fsdp2"] / result["fp16_error_ddp"]
     if ("fsdp2_offload", "32-true") in runs:
-        result["offload_vs_fsdp2_fp32_max_abs"] = float((runs[("fsdp2_offload", "32-true")] - runs[("fsdp2", "32-true")]).abs().max())
+        result["offload_vs_fsdp2_fp32_max_abs"] = float(
+            (runs[("fsdp2_offload", "32-true")] - runs[("fsdp2", "32-true")]).abs().max()
+        )
     # Different reduction orders (all-reduce against reduce-scatter) differ in the last bits; AdamW's first
     # steps turn that into ~1e-6 relative. The CPU integration tests hold 1e-5.
-    result["passed"] = (result["fsdp2_vs_ddp_fp32_max_abs"] <= 1e-4 and result["bf16_error_ratio"] <= 2.0
-                        and result.get("fp16_error_ratio", 0.0) <= 2.0
-                        and result.get("offload_vs_fsdp2_fp32_max_abs", 0.0) <= 1e-5)
+    result["passed"] = (
+        result["fsdp2_vs_ddp_fp32_max_abs"] <= 1e-4
+        and result["bf16_error_ratio"] <= 2.0
+        and result.get("fp16_error_ratio", 0.0) <= 2.0
+        and result.get("offload_vs_fsdp2_fp32_max_abs", 0.0) <= 1e-5
+    )
     return result
 
 
@@ -157,14 +174,21 @@ def part_speed(args: argparse.Namespace) -> dict:
         model = BenchGPT(**shape, block_size=seq_len, vocab_size=args.vocab)
     params = sum(p.numel() for p in model.parameters())
     run.fit(model, loader(warmup + timed + 1, batch_size, seq_len, args.vocab, run.world_size, run.global_rank))
-    steps = [b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1:])]
+    steps = [b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1 :])]
     step = statistics.median(steps)
     tokens_per_s = batch_size * seq_len * run.world_size / step
     flops_per_s = gpt_flops_per_token(params, shape["n_layer"], shape["n_embd"], seq_len) * tokens_per_s
     peak = peak_flops(args.device)
     return {
-        "params": params, **shape, "seq_len": seq_len, "batch_size_per_rank": batch_size, "world_size": run.world_size,
-        "step_s_median": step, "step_s_min": min(steps), "step_s_max": max(steps), "tokens_per_s": tokens_per_s,
+        "params": params,
+        **shape,
+        "seq_len": seq_len,
+        "batch_size_per_rank": batch_size,
+        "world_size": run.world_size,
+        "step_s_median": step,
+        "step_s_min": min(steps),
+        "step_s_max": max(steps),
+        "tokens_per_s": tokens_per_s,
         "tflops_per_s_per_device": flops_per_s / run.world_size / 1e12,
         "mfu": None if peak is None else flops_per_s / run.world_size / peak,
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
@@ -215,7 +239,11 @@ def part_lifecycle(args: argparse.Namespace) -> dict:
         gc.collect()
         allocated.append(torch.cuda.memory_allocated() if args.device == "cuda" else None)
     flat_after_first = args.device != "cuda" or all(a == allocated[0] for a in allocated)
-    return {"allocated_after_each_fit": allocated, "fit_failed": failed, "passed": flat_after_first and failed == [False, False, True, False]}
+    return {
+        "allocated_after_each_fit": allocated,
+        "fit_failed": failed,
+        "passed": flat_after_first and failed == [False, False, True, False],
+    }
 
 
 PARTS = {"parity": part_parity, "speed": part_speed, "memory": part_memory, "lifecycle": part_lifecycle}

@@ -53,12 +53,21 @@ def loader(steps: int, seq_len: int, vocab_size: int) -> DataLoader:
 def one_fit(args: argparse.Namespace, failing: bool) -> tuple[int, bool]:
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=args.strategy,
-        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=args.strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = build_model(vocab_size=args.vocab_size, block_size=args.seq_len, **GPT_SIZES[args.size],
-                        cls=FailingModel if failing else BenchModel)
+    model = build_model(
+        vocab_size=args.vocab_size,
+        block_size=args.seq_len,
+        **GPT_SIZES[args.size],
+        cls=FailingModel if failing else BenchModel,
+    )
     params = sum(p.numel() for p in model.parameters())
     failed = False
     try:
@@ -91,13 +100,22 @@ def main() -> None:
     if dist.get_rank() == 0:
         growth = max(max(r[1:]) - r[1] for r in per_rank)
         state = 16 * params
-        print(json.dumps({
-            "strategy": args.strategy, "world_size": dist.get_world_size(), "params": params, "fits": args.fits,
-            "failed": [i + 1 for i, f in enumerate(failed) if f], "rss_after_each_fit_mib": [
-                [round(b / 2**20, 1) for b in r] for r in per_rank],
-            "growth_after_second_fit_mib": round(growth / 2**20, 1), "model_state_mib": round(state / 2**20, 1),
-            "growth_over_model_state": round(growth / state, 4),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "strategy": args.strategy,
+                    "world_size": dist.get_world_size(),
+                    "params": params,
+                    "fits": args.fits,
+                    "failed": [i + 1 for i, f in enumerate(failed) if f],
+                    "rss_after_each_fit_mib": [[round(b / 2**20, 1) for b in r] for r in per_rank],
+                    "growth_after_second_fit_mib": round(growth / 2**20, 1),
+                    "model_state_mib": round(state / 2**20, 1),
+                    "growth_over_model_state": round(growth / state, 4),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -126,7 +126,12 @@ def time_one_fit(strategy: str, args: argparse.Namespace) -> dict:
 
 
 def worker_options(args: argparse.Namespace) -> list[str]:
-    options = {"--nproc-per-node": args.nproc_per_node, "--warmup": args.warmup, "--steps": args.steps, "--seed": args.seed}
+    options = {
+        "--nproc-per-node": args.nproc_per_node,
+        "--warmup": args.warmup,
+        "--steps": args.steps,
+        "--seed": args.seed,
+    }
     options |= {option: getattr(args, option[2:].replace("-", "_")) for option in MODEL_OPTIONS}
     return [str(item) for pair in options.items() for item in pair]
 
@@ -140,9 +145,25 @@ def launch_job(strategies: list[str], args: argparse.Namespace) -> list[dict]:
         procs, logs = [], []
         for node in range(NODES):
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(node),
-                "--nproc-per-node", str(args.nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                str(Path(__file__).resolve()), "--worker", ",".join(strategies), "--out", str(out), *worker_options(args),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(NODES),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(args.nproc_per_node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(Path(__file__).resolve()),
+                "--worker",
+                ",".join(strategies),
+                "--out",
+                str(out),
+                *worker_options(args),
             ]
             log = open(Path(tmp) / f"node{node}.log", "w+")
             logs.append(log)
@@ -189,13 +210,19 @@ def summarize(pairs: list[dict[str, dict]]) -> dict:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| strategy | median step (ms) | per-pair run medians (ms) | CPU / step, rank 0 (ms) | per-pair CPU (ms) |",
-             "|---|---:|---|---:|---|"]
+    lines = [
+        "| strategy | median step (ms) | per-pair run medians (ms) | CPU / step, rank 0 (ms) | per-pair CPU (ms) |",
+        "|---|---:|---|---:|---|",
+    ]
     for strategy, s in summary["per_strategy"].items():
         runs = ", ".join(f"{1e3 * t:.1f}" for t in s["run_medians_s"])
         cpu = ", ".join(f"{1e3 * t:.1f}" for t in s["run_cpu_s"])
         lines.append(f"| `{strategy}` | {1e3 * s['median_s']:.1f} | {runs} | {1e3 * s['median_cpu_s']:.1f} | {cpu} |")
-    lines += ["", "| fsdp2_hybrid / fsdp2 | median of per-pair ratios | ratio of medians | per-pair ratios |", "|---|---:|---:|---|"]
+    lines += [
+        "",
+        "| fsdp2_hybrid / fsdp2 | median of per-pair ratios | ratio of medians | per-pair ratios |",
+        "|---|---:|---:|---|",
+    ]
     for kind, r in summary["ratios"].items():
         per_pair = ", ".join(f"{x:.3f}" for x in r["pair_ratios"])
         lines.append(f"| {kind} | **{r['median_of_pair_ratios']:.3f}** | {r['ratio_of_medians']:.3f} | {per_pair} |")
@@ -212,23 +239,35 @@ def main() -> None:
 
     pairs = []
     for job in range(args.jobs):
-        orders = [STRATEGIES if (job * args.pairs + index) % 2 == 0 else STRATEGIES[::-1] for index in range(args.pairs)]
+        orders = [
+            STRATEGIES if (job * args.pairs + index) % 2 == 0 else STRATEGIES[::-1] for index in range(args.pairs)
+        ]
         started = time.monotonic()
         records = launch_job([strategy for order in orders for strategy in order], args)
         for index in range(args.pairs):
             pair = {record["strategy"]: record for record in records[2 * index : 2 * index + 2]}
             pairs.append(pair)
-            print(f"job {job + 1}/{args.jobs}, pair {index + 1}/{args.pairs} ({', '.join(orders[index])}): "
-                  + ", ".join(f"{s} {1e3 * pair[s]['median_s']:.1f} ms (cpu {1e3 * pair[s]['median_cpu_s']:.1f})"
-                              for s in STRATEGIES), flush=True)
+            print(
+                f"job {job + 1}/{args.jobs}, pair {index + 1}/{args.pairs} ({', '.join(orders[index])}): "
+                + ", ".join(
+                    f"{s} {1e3 * pair[s]['median_s']:.1f} ms (cpu {1e3 * pair[s]['median_cpu_s']:.1f})"
+                    for s in STRATEGIES
+                ),
+                flush=True,
+            )
         print(f"job {job + 1}/{args.jobs} took {time.monotonic() - started:.0f} s", flush=True)
     losses = {s: [pair[s]["loss_last_timed"] for pair in pairs] for s in STRATEGIES}
     summary = summarize(pairs)
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "lightning": lightning.__version__, "load_avg": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "load_avg": os.getloadavg(),
+        },
         "settings": vars(args) | {"out": str(args.out)},
         "last_timed_loss": losses,
         "summary": summary,
@@ -238,8 +277,7 @@ def main() -> None:
     args.out.write_text(json.dumps(record, indent=1))
     print(markdown(summary))
     meshes = ", ".join(f"{s} {pairs[0][s]['mesh_shape']}" for s in STRATEGIES)
-    print(f"mesh shapes: {meshes};"
-          f" parameters: {pairs[0][STRATEGIES[0]]['num_params']:,}; last timed loss: {losses}")
+    print(f"mesh shapes: {meshes}; parameters: {pairs[0][STRATEGIES[0]]['num_params']:,}; last timed loss: {losses}")
 
 
 if __name__ == "__main__":

@@ -66,8 +66,13 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     n_steps = args.warmup + args.steps + 1
-    kwargs = dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                  n_embd=args.n_embd)
+    kwargs = dict(
+        vocab_size=args.vocab_size,
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
 
     class PairedRawStep(Callback):
         def __init__(self) -> None:
@@ -116,10 +121,21 @@ def main() -> None:
     torch.manual_seed(0)
     model = benchmark_class(GPT, args.strategy)(**kwargs)
     paired = PairedRawStep()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=n_steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                        callbacks=[paired])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=n_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[paired],
+    )
     trainer.fit(model, train_dataloaders=token_loader(args, rank, world))
 
     timed = range(args.warmup, args.warmup + args.steps)
@@ -158,8 +174,11 @@ def main() -> None:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "a") as f:
                 f.write(line + "\n")
-        print("[paired_steps] " + json.dumps({k: v for k, v in record.items() if not k.endswith("_ms") or
-                                              k.startswith("median")}), flush=True)
+        print(
+            "[paired_steps] "
+            + json.dumps({k: v for k, v in record.items() if not k.endswith("_ms") or k.startswith("median")}),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

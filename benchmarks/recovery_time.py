@@ -29,8 +29,18 @@ REPO = Path(__file__).resolve().parent.parent
 def run_once(kill: bool, workdir: Path) -> float:
     out = workdir / "result.pt"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-        "-m", "integration_tests.recovery_worker", "--checkpoint-dir", str(workdir / "ckpt"), "--out", str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "integration_tests.recovery_worker",
+        "--checkpoint-dir",
+        str(workdir / "ckpt"),
+        "--out",
+        str(out),
     ]
     if kill:
         cmd += ["--kill-at-step", "6"]
@@ -56,9 +66,14 @@ def main() -> None:
         for kind in order:
             with tempfile.TemporaryDirectory() as workdir:
                 figures[kind].append(run_once(kind == "recovery", Path(workdir)))
-        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in figures.items()), flush=True)
+        print(
+            f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in figures.items()),
+            flush=True,
+        )
     for kind, values in figures.items():
-        print(f"{kind}: median {statistics.median(values):.1f} s (min {min(values):.1f}, max {max(values):.1f}, n={len(values)})")
+        print(
+            f"{kind}: median {statistics.median(values):.1f} s (min {min(values):.1f}, max {max(values):.1f}, n={len(values)})"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
 

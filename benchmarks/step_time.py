@@ -18,8 +18,13 @@ __all__ = ["StepClock", "model_kwargs", "token_loader", "total_steps"]
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:
-    return dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                n_embd=args.n_embd)
+    return dict(
+        vocab_size=args.vocab_size,
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
 
 
 class StepClock:

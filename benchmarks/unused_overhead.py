@@ -68,8 +68,13 @@ def main() -> None:
 
     kinds = dict(zip("ab", args.sides.split(","), strict=True))  # a: the baseline, b: the candidate
     torch.manual_seed(0)
-    first = GPT(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                n_embd=args.n_embd)
+    first = GPT(
+        vocab_size=args.vocab_size,
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
     sides = {}
     for side, model in (("a", first), ("b", copy.deepcopy(first))):
         shard(model, mesh)
@@ -100,7 +105,7 @@ def main() -> None:
     cpu: dict[str, list[float]] = {"a": [], "b": []}
     for i in range(args.steps):
         losses = {}
-        for side in ("ab" if i % 2 == 0 else "ba"):
+        for side in "ab" if i % 2 == 0 else "ba":
             w, c, losses[side] = step(side, batches[i])
             if i >= args.warmup:
                 wall[side].append(w)
@@ -114,13 +119,17 @@ def main() -> None:
         ratios = sorted(b / a for a, b in zip(times["a"], times["b"]))
         deciles = statistics.quantiles(ratios, n=10)
         return {
-            "ratio_median": statistics.median(ratios), "ratio_p10": deciles[0], "ratio_p90": deciles[-1],
+            "ratio_median": statistics.median(ratios),
+            "ratio_p10": deciles[0],
+            "ratio_p90": deciles[-1],
             f"{kinds['a']}_ms": 1e3 * statistics.median(times["a"]),
             f"{kinds['b']}{'_b' if kinds['a'] == kinds['b'] else ''}_ms": 1e3 * statistics.median(times["b"]),
         }
 
     if rank == 0:
-        line = json.dumps({"pairs": len(wall["a"]), "sides": args.sides, "wall": summary(wall), "cpu_rank0": summary(cpu)})
+        line = json.dumps(
+            {"pairs": len(wall["a"]), "sides": args.sides, "wall": summary(wall), "cpu_rank0": summary(cpu)}
+        )
         print(line)
         if args.out:
             with open(args.out, "a") as f:

@@ -14,6 +14,7 @@ Workarounds measured on the same 40 launches: an exit handler that sleeps 50 ms 
 0.05)`), which lets the worker take the GIL before finalization: 0 of 40 aborted; `dist.destroy_process_group()` in
 an exit handler: 0 of 40. FSDP2Strategy registers the first (`fsdp_strategy.launch.rendezvous.finish_collectives_at_exit`).
 """
+
 import sys
 
 import torch

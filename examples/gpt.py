@@ -10,7 +10,6 @@ exists on every machine that can run this file.
 """
 
 import os
-from typing import Optional
 
 import lightning as L
 import torch
@@ -86,13 +85,13 @@ class ByteTextDataModule(L.LightningDataModule):
         batch_size: int = 16,
         max_bytes: int = 2_000_000,
         val_fraction: float = 0.05,
-        stride: Optional[int] = None,
+        stride: int | None = None,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.train_set: Optional[ByteWindows] = None
-        self.val_set: Optional[ByteWindows] = None
+        self.train_set: ByteWindows | None = None
+        self.val_set: ByteWindows | None = None
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:

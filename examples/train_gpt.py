@@ -27,8 +27,9 @@ from fsdp_strategy import ShardingMonitor
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--strategy", default="fsdp2", help="any registered strategy name: fsdp2, ddp, ...")
     p.add_argument("--precision", default="bf16-mixed", help="bf16-mixed, 32-true, bf16-true, ...")
     p.add_argument("--devices", type=int, default=None, help="default: all GPUs, else 2 CPU processes")
@@ -100,8 +101,16 @@ def main() -> None:
     # With FSDP2 the model is created on the meta device (no memory) and each rank initializes only its own
     # shards after sharding, through the modules' reset_parameters(). Other strategies build it normally.
     with trainer.init_module(empty_init=isinstance(trainer.strategy, fsdp_strategy.FSDP2Strategy)):
-        model = GPT(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                    learning_rate=args.learning_rate, weight_decay=0.1, warmup_steps=10, lr_schedule="cosine")
+        model = GPT(
+            block_size=args.block_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_embd=args.n_embd,
+            learning_rate=args.learning_rate,
+            weight_decay=0.1,
+            warmup_steps=10,
+            lr_schedule="cosine",
+        )
     trainer.fit(model, datamodule=data)
 
     if trainer.is_global_zero:
@@ -112,8 +121,10 @@ def print_summary(args, trainer, model, losses: LossSummary, seconds: float) -> 
     device = trainer.strategy.root_device
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     val_loss = float(trainer.callback_metrics.get("val_loss", math.nan))
-    print(f"{n_params:.2f}M params | final train loss {losses.train_loss:.4f} (last 10 batches, all ranks)"
-          f" | val loss {val_loss:.4f}")
+    print(
+        f"{n_params:.2f}M params | final train loss {losses.train_loss:.4f} (last 10 batches, all ranks)"
+        f" | val loss {val_loss:.4f}"
+    )
     print(f"{seconds:.1f} s since the start of main() | logs: {trainer.logger.log_dir}")
     if device.type == "cpu" and "bf16" in args.precision and not cpu_has_bf16():
         print("note: this CPU has no native bf16, so bf16 matmuls are emulated; --precision 32-true is much faster")

@@ -36,9 +36,21 @@ class HeapStats:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 @lru_cache(maxsize=1)
@@ -47,8 +59,8 @@ def _libc() -> ctypes.CDLL | None:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: musl has malloc_trim as a stub that does nothing useful
-        libc.malloc_trim
+        _ = libc.gnu_get_libc_version  # glibc only: musl has malloc_trim as a stub that does nothing useful
+        _ = libc.malloc_trim
     except (OSError, AttributeError):
         return None
     libc.malloc_trim.argtypes = [ctypes.c_size_t]

@@ -82,7 +82,9 @@ NONFINITE_GRADS_MODES = tuple(mode.value for mode in NonFiniteGrads)
 def check_nonfinite_grads_option(value: Any) -> str:
     accepted = ", ".join(repr(mode) for mode in NONFINITE_GRADS_MODES)
     if not isinstance(value, str):
-        raise TypeError(f"`nonfinite_grads` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}.")
+        raise TypeError(
+            f"`nonfinite_grads` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}."
+        )
     if value not in NONFINITE_GRADS_MODES:
         raise ValueError(f"`nonfinite_grads` must be one of {accepted}; got {value!r}.")
     return value
@@ -225,12 +227,16 @@ def check_options(
             f" of type {type(mp_policy).__name__}."
         )
     if not isinstance(host_memory, str):
-        raise TypeError(f"`host_memory` must be a str, one of {HOST_MEMORY_MODES}; got {host_memory!r} of type"
-                        f" {type(host_memory).__name__}.")
+        raise TypeError(
+            f"`host_memory` must be a str, one of {HOST_MEMORY_MODES}; got {host_memory!r} of type"
+            f" {type(host_memory).__name__}."
+        )
     if host_memory not in HOST_MEMORY_MODES:
         raise ValueError(f"`host_memory` must be one of {HOST_MEMORY_MODES}; got {host_memory!r}.")
     if not isinstance(hook_view, str):
-        raise TypeError(f"`hook_view` must be a str, one of {HOOK_VIEWS}; got {hook_view!r} of type {type(hook_view).__name__}.")
+        raise TypeError(
+            f"`hook_view` must be a str, one of {HOOK_VIEWS}; got {hook_view!r} of type {type(hook_view).__name__}."
+        )
     if hook_view not in HOOK_VIEWS:
         raise ValueError(f"`hook_view` must be one of {HOOK_VIEWS}; got {hook_view!r}.")
     if state_dict_type not in STATE_DICT_TYPES:
@@ -246,7 +252,9 @@ def check_options(
         # A URL is read (and its absence reported on every rank) by rank 0 in setup: checking it here would
         # reach the object store from every process that builds a strategy.
         if not storage.is_url(init_weights) and not Path(init_weights).is_file():
-            raise ValueError(f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file.")
+            raise ValueError(
+                f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file."
+            )
     check_nonfinite_grads_option(nonfinite_grads)
     return Options(
         wrap_policy=normalize_policy(wrap_policy, option="wrap_policy"),

@@ -131,7 +131,12 @@ class ModuleSharding:
         """``(replicate_size, shard_size)`` for the world; raises ``ValueError`` when they do not fit."""
         options = self.options
         per_node = processes_per_node if options.hybrid else None
-        return resolve_mesh_shape(world_size, replicate_size=options.replicate_size, shard_size=options.shard_size, processes_per_node=per_node)
+        return resolve_mesh_shape(
+            world_size,
+            replicate_size=options.replicate_size,
+            shard_size=options.shard_size,
+            processes_per_node=per_node,
+        )
 
     def shard(
         self,
@@ -150,7 +155,9 @@ class ModuleSharding:
         model = precision.convert_module(model)
         # Small buckets: a flat copy of 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a run.
         sync_module_states(model, host_group=host_group, bucket_bytes=SYNC_BUCKET_BYTES)
-        self.parallelize(model, precision=precision, mesh=mesh, mesh_shape=mesh_shape, device=device, init_weights=init_weights)
+        self.parallelize(
+            model, precision=precision, mesh=mesh, mesh_shape=mesh_shape, device=device, init_weights=init_weights
+        )
         restore()
         if self.options.host_memory == HostMemory.RELEASE:  # the eager full copy was freed when its shards were made
             host_memory.release()
@@ -242,7 +249,15 @@ class ModuleSharding:
                     " `configure_optimizers()` from `self.parameters()`, which the strategy calls after sharding."
                 )
 
-    def give_back(self, model: nn.Module, optimizers: list[Optimizer], hooks: StepHooks, *, processes_per_node: int, device: torch.device) -> None:
+    def give_back(
+        self,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        hooks: StepHooks,
+        *,
+        processes_per_node: int,
+        device: torch.device,
+    ) -> None:
         """After a stage that ended normally, the module the user passed in is plain again, as DDP leaves it: full
         parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`.unshard`); the
         optimizer states stay sharded. It stays sharded where its full parameters do not fit in host memory."""

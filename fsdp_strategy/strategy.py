@@ -115,7 +115,9 @@ class FSDP2Strategy(ParallelStrategy):
         self.guard = NonFiniteGuard(self.options.nonfinite_grads.value)
         self.checkpoints = CheckpointManager(self, self.options)
         self.sharding = ModuleSharding(self.options, name=type(self).__name__)
-        self.processes = ProcessGroup(name=type(self).__name__, timeout=self.options.timeout, backend=self.options.process_group_backend)
+        self.processes = ProcessGroup(
+            name=type(self).__name__, timeout=self.options.timeout, backend=self.options.process_group_backend
+        )
         self.step_hooks = StepHooks()  # built in setup(), closed in teardown()
         self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
@@ -131,7 +133,10 @@ class FSDP2Strategy(ParallelStrategy):
     def register_strategies(cls, registry: Any) -> None:
         variants = {
             "fsdp2": ("Fully sharded data parallel (FSDP2, ZeRO-3)", {}),
-            "fsdp2_grad_op": ("FSDP2 keeping parameters gathered between forward and backward", {"reshard_after_forward": False}),
+            "fsdp2_grad_op": (
+                "FSDP2 keeping parameters gathered between forward and backward",
+                {"reshard_after_forward": False},
+            ),
             "fsdp2_hybrid": ("FSDP2 sharding within a node and replicating across nodes", {"hybrid": True}),
             "fsdp2_offload": ("FSDP2 with sharded state offloaded to host memory (CUDA)", {"cpu_offload": True}),
             # "fsdp2" always does what DDP needs find_unused_parameters=True for; the name eases the switch.
@@ -203,7 +208,9 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None and self.lightning_module is not None
         self.checkpoints.begin_stage()
         member = rendezvous.this_member(self.global_rank, self.node_rank, self.local_rank)
-        self.processes.start(self.cluster_environment, member=member, processes_per_node=self.num_processes, device=self.root_device)
+        self.processes.start(
+            self.cluster_environment, member=member, processes_per_node=self.num_processes, device=self.root_device
+        )
         self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
         set_device_mesh(self.lightning_module, self._device_mesh)
         trainer = attached_trainer(self.lightning_module)
@@ -218,7 +225,9 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         view = hook_view.explain_sharded_view(exception) if self.options.hook_view == HookView.SHARDED else None
-        self.processes.add_notes(exception, [unused.explain(exception) or view, self.processes.diagnose(exception, rank=self.global_rank)])
+        self.processes.add_notes(
+            exception, [unused.explain(exception) or view, self.processes.diagnose(exception, rank=self.global_rank)]
+        )
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
@@ -232,7 +241,9 @@ class FSDP2Strategy(ParallelStrategy):
             # Lightning's connector builds one of its own plugins from `Trainer(precision=...)` for a strategy it
             # has no plugin class for: the same precision on shards, or the error that names what is supported.
             mp_policy_given = self.options.mp_policy is not None
-            plugin = plugins.translate_trainer_plugin(plugin, strategy=type(self).__name__, explicit_mp_policy=mp_policy_given)
+            plugin = plugins.translate_trainer_plugin(
+                plugin, strategy=type(self).__name__, explicit_mp_policy=mp_policy_given
+            )
         self._precision_plugin = plugin
 
     def mp_policy(self) -> MixedPrecisionPolicy:
@@ -270,11 +281,19 @@ class FSDP2Strategy(ParallelStrategy):
         self.setup_precision_plugin()
         whole = fitting and self.options.hook_view == HookView.WHOLE and isinstance(self.model, FSDPModule)
         owners = (self.lightning_module, trainer.callbacks) if whole else None  # type: ignore[attr-defined]
-        self.precision_plugin.hook_view = hook_view.whole_parameters_in_hooks(self.model, owners, self.root_device, self.num_processes)  # type: ignore[attr-defined]
+        self.precision_plugin.hook_view = hook_view.whole_parameters_in_hooks(
+            self.model, owners, self.root_device, self.num_processes
+        )  # type: ignore[attr-defined]
 
     def _shard_arguments(self) -> dict[str, Any]:
         init_weights, mesh_shape = self.checkpoints.init_weights_loader(), self.mesh_shape()
-        return dict(precision=self.precision_plugin, mesh=self.device_mesh, mesh_shape=mesh_shape, device=self.root_device, init_weights=init_weights)
+        return dict(
+            precision=self.precision_plugin,
+            mesh=self.device_mesh,
+            mesh_shape=mesh_shape,
+            device=self.root_device,
+            init_weights=init_weights,
+        )
 
     def parallelize(self, model: nn.Module) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
@@ -363,7 +382,9 @@ class FSDP2Strategy(ParallelStrategy):
         return self.processes.broadcast(obj, src)
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
         return sync_ddp(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @property
@@ -380,7 +401,9 @@ class FSDP2Strategy(ParallelStrategy):
         return self.checkpoints.optimizer_state(optimizer)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         """Saved on every rank together; see :meth:`.CheckpointManager.save`."""
         self.checkpoints.save(checkpoint, filepath, storage_options)
 
@@ -416,17 +439,27 @@ class FSDP2Strategy(ParallelStrategy):
         except Exception as error:  # noqa: BLE001  (Lightning re-raises the user's error after this: keep it in view)
             if trainer is None or not trainer.interrupted:
                 raise
-            _log.warning(f"[rank {self.global_rank}] {type(self).__name__}: teardown after the error above failed too: {error!r}")
+            _log.warning(
+                f"[rank {self.global_rank}] {type(self).__name__}: teardown after the error above failed too: {error!r}"
+            )
 
     def _teardown(self, trainer: pl.Trainer | None) -> None:
         # Settling a save and gathering the module are collectives: only when every rank ended the stage
         # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
-        ended = self.processes.stage_ended_on_every_rank(trainer is not None and not trainer.interrupted, world_size=self.world_size)
+        ended = self.processes.stage_ended_on_every_rank(
+            trainer is not None and not trainer.interrupted, world_size=self.world_size
+        )
         try:
             if ended:
                 self.checkpoints.wait()  # a failed background save raises here, on every rank
                 self.step_hooks.stage_ended()
-                self.sharding.give_back(self.model, sharded_optimizers(self.optimizers), self.step_hooks, processes_per_node=self.num_processes, device=self.root_device)  # type: ignore[arg-type]
+                self.sharding.give_back(
+                    self.model,
+                    sharded_optimizers(self.optimizers),
+                    self.step_hooks,
+                    processes_per_node=self.num_processes,
+                    device=self.root_device,
+                )  # type: ignore[arg-type]
         except BaseException:
             ended = False  # nothing more is waited for
             raise

@@ -118,7 +118,15 @@ def module_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: full(p) for name, p in model.named_parameters()}
 
 
-def fit(run: str, model_class: type, averaging: WeightAveraging, loader: Any, *, directory: Path | None, ckpt_path: Path | None = None) -> dict:
+def fit(
+    run: str,
+    model_class: type,
+    averaging: WeightAveraging,
+    loader: Any,
+    *,
+    directory: Path | None,
+    ckpt_path: Path | None = None,
+) -> dict:
     record = Record(averaging)
     callbacks: list = [averaging, record]
     if directory is not None:

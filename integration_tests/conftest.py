@@ -19,7 +19,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def torchrun(
-    module: str, args: list[str], *, nproc: int, cwd: Path, check: bool = True, timeout: float = 600, max_restarts: int = 0
+    module: str,
+    args: list[str],
+    *,
+    nproc: int,
+    cwd: Path,
+    check: bool = True,
+    timeout: float = 600,
+    max_restarts: int = 0,
 ):
     """Runs ``python -m module`` on ``nproc`` CPU processes under torchrun."""
     # --standalone rendezvous picks a free port itself, so parallel tests never collide.
@@ -62,7 +69,9 @@ def run_nodes(
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         # A session of its own: killing the group also ends the workers a launcher started.
-        procs.append(subprocess.Popen(cmd, cwd=node_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(cmd, cwd=node_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
@@ -92,22 +101,39 @@ def run_nodes(
     return outputs
 
 
-def torchrun_nodes(module: str, args: list[str], *, nnodes: int, nproc_per_node: int, cwd: Path, timeout: float = 300) -> list[str]:
+def torchrun_nodes(
+    module: str, args: list[str], *, nnodes: int, nproc_per_node: int, cwd: Path, timeout: float = 300
+) -> list[str]:
     """Runs ``python -m module`` as a job of ``nnodes`` simulated nodes on this machine: one torchrun per
     node (``--node-rank``), static rendezvous on 127.0.0.1; returns each node's output."""
     port = free_port()
     commands = [
         [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node),
-            "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "-m", module, *args,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            module,
+            *args,
         ]
         for node in range(nnodes)
     ]
     return run_nodes(commands, cwd=cwd, envs=[_environment()] * nnodes, timeout=timeout)
 
 
-def lightning_nodes(module: str, args: list[str], *, nnodes: int, devices: int, cwd: Path, timeout: float = 300) -> list[str]:
+def lightning_nodes(
+    module: str, args: list[str], *, nnodes: int, devices: int, cwd: Path, timeout: float = 300
+) -> list[str]:
     """The same job started by Lightning's own launcher: ``python -m module ... --devices N`` once per node,
     with ``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK`` set; returns each node's output."""
     port = free_port()

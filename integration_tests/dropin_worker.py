@@ -125,7 +125,7 @@ def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: 
         val_loader = None
     elif scenario["model"] == "bn":
         torch.manual_seed(1000 + rank)  # no seed_everything: every rank builds its own random init
-        model: LightningModule = (ManualCNN if scenario.get("manual") else TinyCNN)(scenario.get("optimizer", "sgd"))
+        model: L.LightningModule = (ManualCNN if scenario.get("manual") else TinyCNN)(scenario.get("optimizer", "sgd"))
         loader = image_loader(rank=rank, batch_size=4, batches=batches)
         val_loader = image_loader(rank=rank, batch_size=4, batches=2, seed=2)
     else:

@@ -141,8 +141,13 @@ class LoraLM(L.LightningModule):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=16,
+            vocab_size=VOCAB,
+            hidden_size=8,
+            intermediate_size=12,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
         )
         lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
         self.model = get_peft_model(LlamaForCausalLM(config), lora)
@@ -262,11 +267,27 @@ def loader(kind: str, steps: int, world: int, rank: int | None) -> DataLoader:
 # --- hook recording -----------------------------------------------------------------------------------------------
 
 MODULE_HOOKS = [
-    name for name in dir(L.LightningModule)
-    if name.startswith("on_") or name in ("setup", "teardown", "configure_model", "configure_optimizers", "load_state_dict",
-                                          "state_dict", "configure_gradient_clipping", "optimizer_step", "backward")
+    name
+    for name in dir(L.LightningModule)
+    if name.startswith("on_")
+    or name
+    in (
+        "setup",
+        "teardown",
+        "configure_model",
+        "configure_optimizers",
+        "load_state_dict",
+        "state_dict",
+        "configure_gradient_clipping",
+        "optimizer_step",
+        "backward",
+    )
 ]
-CALLBACK_HOOKS = [name for name in dir(Callback) if name.startswith("on_") or name in ("setup", "teardown", "load_state_dict", "state_dict")]
+CALLBACK_HOOKS = [
+    name
+    for name in dir(Callback)
+    if name.startswith("on_") or name in ("setup", "teardown", "load_state_dict", "state_dict")
+]
 
 
 def recording(cls: type, calls: list[str], prefix: str, hooks: list[str]) -> type:
@@ -288,7 +309,10 @@ def recording(cls: type, calls: list[str], prefix: str, hooks: list[str]) -> typ
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone() for k, v in model.named_parameters()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone()
+        for k, v in model.named_parameters()
+    }
 
 
 def make_trainer(strategy: str, devices: int, **kwargs: Any) -> L.Trainer:
@@ -297,8 +321,15 @@ def make_trainer(strategy: str, devices: int, **kwargs: Any) -> L.Trainer:
     if strategy == "fsdp2_sharded":
         strategy = fsdp_strategy.FSDP2Strategy(state_dict_type="sharded")  # type: ignore[assignment]
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
     )
     return L.Trainer(**{**defaults, **kwargs})
 
@@ -316,7 +347,9 @@ def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | N
             return {"error": f"{type(error).__name__}: {error}"}
         return {"error": None}
     if scenario in ("unfreeze", "unfreeze_resume"):
-        return unfreeze(strategy, resume=scenario == "unfreeze_resume", devices=devices, world=world, rank=rank, root=root)
+        return unfreeze(
+            strategy, resume=scenario == "unfreeze_resume", devices=devices, world=world, rank=rank, root=root
+        )
     kind = "tokens" if scenario in ("tied_frozen", "lora") else "regression"
     model: L.LightningModule = {
         "frozen": lambda: Regressor(freeze_backbone=True),
@@ -333,7 +366,10 @@ def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | N
     if scenario == "save_every_step":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        extra = {"enable_checkpointing": True, "callbacks": [ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)]}
+        extra = {
+            "enable_checkpointing": True,
+            "callbacks": [ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)],
+        }
     copier = CopyInCallback()
     if scenario == "copies":
         extra = {"callbacks": [copier]}
@@ -364,7 +400,9 @@ class CopyInCallback(Callback):
     def __init__(self) -> None:
         self.copies: dict[str, Any] = {}
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx != 1:
             return
         buffer = io.BytesIO()
@@ -398,7 +436,9 @@ def unfreeze(strategy: str, *, resume: bool, devices: int, world: int, rank: int
     steps_per_epoch = 2
     data = loader("regression", steps_per_epoch, world, rank)
     model = Regressor(optimizer="sgd")
-    trainer = make_trainer(strategy, devices, max_epochs=1 if resume else 3, callbacks=[UnfreezeOnce()], default_root_dir=root)
+    trainer = make_trainer(
+        strategy, devices, max_epochs=1 if resume else 3, callbacks=[UnfreezeOnce()], default_root_dir=root
+    )
     trainer.fit(model, data)
     if resume:
         path = os.path.join(root, "frozen.ckpt")
@@ -432,7 +472,12 @@ def hook_order(strategy: str, *, devices: int, world: int, rank: int | None, roo
         ("predict", lambda t, m: t.predict(m, data)),
     ):
         calls.clear()
-        call(trainer(max_steps=4, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1, default_root_dir=root), module_class())
+        call(
+            trainer(
+                max_steps=4, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1, default_root_dir=root
+            ),
+            module_class(),
+        )
         seen[stage] = list(calls)
     return seen
 

@@ -59,7 +59,9 @@ def train(run: str, devices: int, poison_step: int, max_steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", default="fsdp2_skip,ddp_drop", help="comma-separated: fsdp2_skip, fsdp2_raise, ddp_drop")
+    parser.add_argument(
+        "--runs", default="fsdp2_skip,ddp_drop", help="comma-separated: fsdp2_skip, fsdp2_raise, ddp_drop"
+    )
     parser.add_argument("--devices", type=int, default=None, help="processes in the job (default: torchrun's)")
     parser.add_argument("--poison-step", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=6)

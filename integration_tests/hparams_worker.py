@@ -66,7 +66,9 @@ def strategy(name: str) -> Any:
 
 
 def trainer(name: str, max_steps: int, checkpoint_dir: Path | None = None) -> L.Trainer:
-    callbacks = [ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=2, save_top_k=-1)] if checkpoint_dir else []
+    callbacks = (
+        [ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=2, save_top_k=-1)] if checkpoint_dir else []
+    )
     return L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -143,7 +145,9 @@ def main() -> None:
     # 4 steps, saved by ModelCheckpoint every 2 steps: DDP files and FSDP2 sharded directories.
     for name in ("ddp", "fsdp2"):
         L.seed_everything(42)
-        trainer(name, max_steps=4, checkpoint_dir=args.checkpoint_dir / name).fit(ConfiguredLM(make_config()), token_loader())
+        trainer(name, max_steps=4, checkpoint_dir=args.checkpoint_dir / name).fit(
+            ConfiguredLM(make_config()), token_loader()
+        )
     dist.barrier()
     saved = {name: args.checkpoint_dir / name / "epoch=0-step=4.ckpt" for name in ("ddp", "fsdp2")}
     results["saved"] = {name: sorted(p.name for p in (args.checkpoint_dir / name).iterdir()) for name in saved}
@@ -154,9 +158,11 @@ def main() -> None:
     results["params"]["fsdp2 from ddp's file/weights_only=False"] = resume("fsdp2", saved["ddp"], weights_only=False)
     # By default (Lightning passes weights_only=None; torch's default is True): refused.
     for name in ("ddp", "fsdp2"):
-        results["errors"][f"{name}/fit"] = error_on_every_rank(lambda: resume(name, saved[name]))
+        results["errors"][f"{name}/fit"] = error_on_every_rank(lambda name=name: resume(name, saved[name]))
     results["errors"]["fsdp2/validate"] = error_on_every_rank(
-        lambda: trainer("fsdp2", max_steps=8).validate(ConfiguredLM(make_config()), token_loader(), ckpt_path=saved["fsdp2"])
+        lambda: trainer("fsdp2", max_steps=8).validate(
+            ConfiguredLM(make_config()), token_loader(), ckpt_path=saved["fsdp2"]
+        )
     )
     validated = error_on_every_rank(
         lambda: trainer("fsdp2", max_steps=8).validate(
@@ -178,16 +184,29 @@ def main() -> None:
             for key, path in files.items()
         }
         results["load_default"] = {
-            key: error_of(lambda: ConfiguredLM.load_from_checkpoint(path)) for key, path in files.items()
+            key: error_of(lambda path=path: ConfiguredLM.load_from_checkpoint(path)) for key, path in files.items()
         }
     dist.barrier()
 
     # The user registers the types with torch instead: FSDP2 needs the types its message names ...
-    omegaconf_types = [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, int, list, collections.defaultdict]
+    omegaconf_types = [
+        DictConfig,
+        ListConfig,
+        ContainerMetadata,
+        Metadata,
+        AnyNode,
+        typing.Any,
+        dict,
+        int,
+        list,
+        collections.defaultdict,
+    ]
     torch.serialization.add_safe_globals([TrainConfig, Mode, Span, *omegaconf_types])
     results["params"]["fsdp2/safe_globals"] = resume("fsdp2", saved["fsdp2"])
     # ... and DDP's file also the path class, which fsdp_strategy accepts without registration.
-    results["errors"]["ddp/fit safe_globals without the path"] = error_on_every_rank(lambda: resume("ddp", saved["ddp"]))
+    results["errors"]["ddp/fit safe_globals without the path"] = error_on_every_rank(
+        lambda: resume("ddp", saved["ddp"])
+    )
     torch.serialization.add_safe_globals([PosixPath])
     results["params"]["ddp/safe_globals"] = resume("ddp", saved["ddp"])
 

@@ -59,15 +59,25 @@ def reachable() -> tuple[int, int]:
 
 def trainer(strategy: str, **kwargs: Any) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, max_steps=3, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
         **kwargs,
     )
 
 
 def params(model: torch.nn.Module) -> dict[str, Any]:
     # NumPy copies: the records must not count among the tensors still reachable.
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy() for k, v in model.named_parameters()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+        for k, v in model.named_parameters()
+    }
 
 
 def run(strategy: str, kind: str) -> dict[str, Any]:

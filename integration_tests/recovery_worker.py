@@ -124,7 +124,11 @@ def main() -> None:
     callbacks.append(timeline)
 
     L.seed_everything(42)
-    strategy = fsdp_strategy.FSDP2Strategy(timeout=args.timeout, state_dict_type="sharded") if args.strategy == "fsdp2" else args.strategy
+    strategy = (
+        fsdp_strategy.FSDP2Strategy(timeout=args.timeout, state_dict_type="sharded")
+        if args.strategy == "fsdp2"
+        else args.strategy
+    )
     devices = int(os.environ["LOCAL_WORLD_SIZE"])
     trainer = L.Trainer(
         accelerator="cpu",

@@ -217,9 +217,13 @@ def main() -> None:
         elif scenario == "plugin":
             results[scenario] = plugin(args.checkpoint_dir, ["ddp", "fsdp2_full"])
         elif scenario == "disk_full":
-            results[scenario] = failing_saves(args.checkpoint_dir, runs, room=args.room, inject=True, max_steps=args.max_steps)
+            results[scenario] = failing_saves(
+                args.checkpoint_dir, runs, room=args.room, inject=True, max_steps=args.max_steps
+            )
         elif scenario == "tmpfs":
-            results[scenario] = failing_saves(args.checkpoint_dir, runs, room=args.room, inject=False, max_steps=args.max_steps)
+            results[scenario] = failing_saves(
+                args.checkpoint_dir, runs, room=args.room, inject=False, max_steps=args.max_steps
+            )
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
     if dist.get_rank() == 0:

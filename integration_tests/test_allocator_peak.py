@@ -48,8 +48,22 @@ pytestmark = pytest.mark.skipif(host_memory.heap_stats() is None, reason="needs 
 
 def _measure(tmp_path: Path, config: str, *, warmup: bool = True) -> dict:
     out = tmp_path / "allocator.json"
-    cmd = [sys.executable, "-m", "testkit.allocator_peak", "--config", config, "--model-args", json.dumps(MODEL),
-           "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--out", str(out), *([] if warmup else ["--no-warmup"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "testkit.allocator_peak",
+        "--config",
+        config,
+        "--model-args",
+        json.dumps(MODEL),
+        "--batch-size",
+        str(BATCH),
+        "--seq-len",
+        str(SEQ),
+        "--out",
+        str(out),
+        *([] if warmup else ["--no-warmup"]),
+    ]
     # A fit of its own: no launcher's variables, so that it starts its own 1-rank group.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "WORLD_SIZE", "RANK", "LOCAL_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -63,13 +77,22 @@ def _measure(tmp_path: Path, config: str, *, warmup: bool = True) -> dict:
 
 def _predicted(config: str) -> int:
     strategy, precision, checkpointing = parse_config(config)
-    (row,) = estimate(GPT, init_args=MODEL, world_sizes=[1], strategies=[strategy], precision=precision,
-                      batch_size=BATCH, seq_len=SEQ, activation_checkpointing=checkpointing).rows
+    (row,) = estimate(
+        GPT,
+        init_args=MODEL,
+        world_sizes=[1],
+        strategies=[strategy],
+        precision=precision,
+        batch_size=BATCH,
+        seq_len=SEQ,
+        activation_checkpointing=checkpointing,
+    ).rows
     return row.checkpointed_peak_bytes if checkpointing else row.step_peak_bytes
 
 
-@pytest.mark.parametrize("config", ["fsdp2/32-true/none", "fsdp2/32-true/Block", "ddp/32-true/none",
-                                    "fsdp2_grad_op/bf16-mixed/Block"])
+@pytest.mark.parametrize(
+    "config", ["fsdp2/32-true/none", "fsdp2/32-true/Block", "ddp/32-true/none", "fsdp2_grad_op/bf16-mixed/Block"]
+)
 def test_live_tensors_and_the_estimate_agree_with_the_allocator(tmp_path: Path, config: str) -> None:
     measured = _measure(tmp_path, config)
     allocator, live = measured["allocator"], measured["live"]
@@ -77,4 +100,3 @@ def test_live_tensors_and_the_estimate_agree_with_the_allocator(tmp_path: Path, 
     assert live <= allocator <= 1.04 * live, (config, allocator, live, allocator / live)
     predicted = _predicted(config)
     assert predicted == pytest.approx(allocator, rel=0.10), (config, predicted, allocator, predicted / allocator)
-

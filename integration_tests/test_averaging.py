@@ -22,7 +22,9 @@ def assert_close(results: dict, run: str, reference: str) -> None:
 
 def test_weight_averaging_matches_ddp_sharded_saved_resumed_and_consolidated(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
-    results = launch(["--checkpoint-dir", str(directory)], tmp_path, nproc=2, module="integration_tests.averaging_worker")
+    results = launch(
+        ["--checkpoint-dir", str(directory)], tmp_path, nproc=2, module="integration_tests.averaging_worker"
+    )
     ema, swa = results["ema"], results["swa"]
 
     # 8 steps: the module, the average after every step and the validation losses are DDP's.
@@ -43,7 +45,9 @@ def test_weight_averaging_matches_ddp_sharded_saved_resumed_and_consolidated(tmp
 
     # The checkpoints hold what DDP's hold: the average as "state_dict", the module as "current_model_state".
     ddp = torch.load(directory / "ddp" / "step=4.ckpt", weights_only=True)
-    consolidated = consolidate_checkpoint(directory / "fsdp2" / "step=4.ckpt", tmp_path / "consolidated.ckpt", progress=False)
+    consolidated = consolidate_checkpoint(
+        directory / "fsdp2" / "step=4.ckpt", tmp_path / "consolidated.ckpt", progress=False
+    )
     for path in (consolidated, directory / "fsdp2_full" / "step=4.ckpt"):
         ours = torch.load(path, weights_only=True)
         assert ours.keys() == ddp.keys(), path

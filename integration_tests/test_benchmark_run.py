@@ -17,8 +17,18 @@ STRATEGIES = ["ddp", "fsdp2", "raw_fsdp2"]
 def test_a_tiny_run_on_two_ranks(tmp_path, capsys, monkeypatch):
     # The allocator recipe of docs/benchmarks.md is passed on to the jobs (they must run with it) and recorded.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
-    summary = run_benchmark(size="tiny", strategies=STRATEGIES, world_sizes=[2], steps=3, warmup=0,
-                            repeats=1, batch_size=2, seq_len=16, out=tmp_path, progress=False)
+    summary = run_benchmark(
+        size="tiny",
+        strategies=STRATEGIES,
+        world_sizes=[2],
+        steps=3,
+        warmup=0,
+        repeats=1,
+        batch_size=2,
+        seq_len=16,
+        out=tmp_path,
+        progress=False,
+    )
     assert [(e["strategy"], e["world_size"]) for e in summary] == [(s, 2) for s in STRATEGIES]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["machine"]["malloc_mmap_threshold"] == "4194304"
@@ -54,6 +64,6 @@ def test_a_tiny_run_on_two_ranks(tmp_path, capsys, monkeypatch):
         assert f"| {entry['strategy']} | 2 |" in out
         mib = max(r["model_state_bytes"] for r in by_job[entry["strategy"]]) / 2**20
         assert entry["model_state_bytes"] == max(r["model_state_bytes"] for r in by_job[entry["strategy"]])
-        line = next(l for l in out.splitlines() if l.startswith(f"| {entry['strategy']} | 2 |"))
+        line = next(row for row in out.splitlines() if row.startswith(f"| {entry['strategy']} | 2 |"))
         assert f"| {mib:,.1f} |" in line, (line, mib)
     assert (tmp_path / "plot.png").is_file()

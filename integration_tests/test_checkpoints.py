@@ -13,7 +13,9 @@ def checkpoint_args(directory: Path, runs: str, variant: str = "adamw_scheduler"
 
 
 def assert_matches(results: dict, run: str, reference: str, variant: str = "adamw_scheduler") -> None:
-    difference = max_relative_difference(results[f"{run}/{variant}"]["params"], results[f"{reference}/{variant}"]["params"])
+    difference = max_relative_difference(
+        results[f"{run}/{variant}"]["params"], results[f"{reference}/{variant}"]["params"]
+    )
     assert difference <= 1e-5, f"{run} vs {reference}: {difference}"
 
 

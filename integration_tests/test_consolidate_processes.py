@@ -133,10 +133,16 @@ def test_a_checkpoint_of_two_ranks_consolidates_in_process_by_python_m_and_by_li
     by_command = tmp_path / "command.ckpt"
     result = subprocess.run(
         [sys.executable, "-m", "fsdp_strategy", "consolidate", str(sharded), str(by_command), "--no-progress"],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    tensors = sum(1 for md in FileSystemReader(sharded).read_metadata().state_dict_metadata.values() if hasattr(md, "size"))
+    tensors = sum(
+        1 for md in FileSystemReader(sharded).read_metadata().state_dict_metadata.values() if hasattr(md, "size")
+    )
     assert result.stdout.startswith(f"{by_command}: {tensors} tensors, ")
     written = torch.load(by_command, weights_only=False)
     assert_same(written["state_dict"], reference["params"])
@@ -145,7 +151,13 @@ def test_a_checkpoint_of_two_ranks_consolidates_in_process_by_python_m_and_by_li
     # And through Lightning's own tool, which a user of Lightning's FSDPStrategy would reach for.
     by_lightning = tmp_path / "lightning.ckpt"
     module = "lightning.pytorch.utilities.consolidate_checkpoint"
-    result = subprocess.run([sys.executable, "-m", module, str(sharded), "--output_file", str(by_lightning)],
-                            capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", module, str(sharded), "--output_file", str(by_lightning)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same(torch.load(by_lightning, weights_only=True)["state_dict"], reference["params"])

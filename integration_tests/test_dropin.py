@@ -80,7 +80,10 @@ UNITS_DISAGREE = (
     ' (wrap_policy="auto" makes a unit of each child of an nn.ModuleList or nn.Sequential that holds two or more'
     " modules of one class; an explicit wrap_policy chooses instead.)"
 )
-TRAINING = {"when": "since the last gradient reduction", "damage": "the gradients of this step are wrong (no optimizer step was taken with them)"}
+TRAINING = {
+    "when": "since the last gradient reduction",
+    "damage": "the gradients of this step are wrong (no optimizer step was taken with them)",
+}
 ROOT_FIX = "leave them out of the units, so that they are gathered with the rest of the model outside the blocks, once per step on every rank: wrap_policy=['Block']."
 LAYER_FIX = "wrap the module that routes to them as the unit, not each of them: wrap_policy=['Block', 'MoEBlock']."
 
@@ -93,7 +96,9 @@ LAYER_FIX = "wrap the module that routes to them as the unit, not each of them: 
         ("experts_layer", {"prefix": "moe.", "fix": LAYER_FIX, **TRAINING}),
     ],
 )
-def test_units_that_run_on_some_ranks_only_stop_every_rank_before_the_step(results: dict, scenario: str, fields: dict) -> None:
+def test_units_that_run_on_some_ranks_only_stop_every_rank_before_the_step(
+    results: dict, scenario: str, fields: dict
+) -> None:
     # From the third batch on, each rank runs three of the four expert units: their all-gathers pair up
     # silently. The parameters are DDP's after the two steps before (the third step was not taken).
     failed, reference = results[f"fsdp2/{scenario}"], results[f"ddp_find_unused_parameters_true/{MISMATCH[scenario]}"]

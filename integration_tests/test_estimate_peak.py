@@ -39,16 +39,34 @@ FOUR_RANKS = ["fsdp2/32-true/none", "fsdp2_grad_op/bf16-mixed/Block", "ddp/bf16-
 
 def _predicted(config: str, world_size: int) -> int:
     strategy, precision, checkpointing = parse_config(config)
-    (row,) = estimate(GPT, init_args=MODEL, world_sizes=[world_size], strategies=[strategy], precision=precision,
-                      batch_size=BATCH, seq_len=SEQ, activation_checkpointing=checkpointing).rows
+    (row,) = estimate(
+        GPT,
+        init_args=MODEL,
+        world_sizes=[world_size],
+        strategies=[strategy],
+        precision=precision,
+        batch_size=BATCH,
+        seq_len=SEQ,
+        activation_checkpointing=checkpointing,
+    ).rows
     return row.checkpointed_peak_bytes if checkpointing else row.step_peak_bytes
 
 
 @pytest.mark.parametrize(("world_size", "configs"), [(2, ALL), (4, FOUR_RANKS)])
 def test_predicted_step_peak_is_within_ten_percent_of_the_live_tensor_peak(tmp_path: Path, world_size, configs):
     out = tmp_path / "peaks.json"
-    args = ["--configs", ",".join(configs), "--model-args", json.dumps(MODEL), "--batch-size", str(BATCH),
-            "--seq-len", str(SEQ), "--out", str(out)]
+    args = [
+        "--configs",
+        ",".join(configs),
+        "--model-args",
+        json.dumps(MODEL),
+        "--batch-size",
+        str(BATCH),
+        "--seq-len",
+        str(SEQ),
+        "--out",
+        str(out),
+    ]
     torchrun("testkit.peak_runs", args, nproc=world_size, cwd=tmp_path)
     measured = json.loads(out.read_text())
     errors = {}
@@ -66,8 +84,16 @@ def test_predicted_step_peak_is_within_ten_percent_of_the_live_tensor_peak(tmp_p
 # --- one rank, the tiny LM, each fit in a fresh interpreter (moved from tests/test_estimate_peak.py) ---
 
 # Set by the tests' launchers; the fit must start its own 1-rank group.
-_LAUNCHER_VARIABLES = ("MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                       "TORCHELASTIC")
+_LAUNCHER_VARIABLES = (
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "TORCHELASTIC",
+)
 
 
 # Run in a fresh interpreter: in this process, tensors that earlier tests left behind (sharded modules whose
@@ -96,8 +122,14 @@ def _measured_live_peak(strategy: str, checkpointing: list[str] | None) -> float
     """The live-tensor peak of a real 1-rank fit of the tiny LM, less the tensors alive before it."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(_LAUNCHER_VARIABLES)}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps([strategy, checkpointing])], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, json.dumps([strategy, checkpointing])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return float(proc.stdout.strip().splitlines()[-1])
 
@@ -107,8 +139,14 @@ def _measured_live_peak(strategy: str, checkpointing: list[str] | None) -> float
 )
 def test_predicted_peak_is_the_live_tensor_peak_of_a_real_fit(strategy, checkpointing):
     measured = _measured_live_peak(strategy, checkpointing)
-    (row,) = estimate(TinyLM, world_sizes=[1], strategies=[strategy], batch_size=4, seq_len=TINY_SEQ,
-                      activation_checkpointing=checkpointing).rows
+    (row,) = estimate(
+        TinyLM,
+        world_sizes=[1],
+        strategies=[strategy],
+        batch_size=4,
+        seq_len=TINY_SEQ,
+        activation_checkpointing=checkpointing,
+    ).rows
     predicted = row.checkpointed_peak_bytes if checkpointing else row.step_peak_bytes
     # Activations are a large share of this tiny model's peak, so leaving them out would fail the comparison.
     assert row.activation_bytes > 0.3 * measured

@@ -17,7 +17,14 @@ def test_the_torch_reproduction_exits_cleanly_with_the_workaround(tmp_path: Path
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPRODUCTION)]
     statuses = []
     for _ in range(10):  # without the workaround, 23 of 40 launches aborted here
-        proc = subprocess.run([*command, "--with-workaround"], cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [*command, "--with-workaround"],
+            cwd=tmp_path,
+            env=_environment(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         statuses.append((proc.returncode, "terminate called" in proc.stdout + proc.stderr))
     assert statuses == [(0, False)] * 10
 

@@ -17,13 +17,24 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-def test_a_llama_trained_on_two_ranks_exports_as_save_pretrained_writes_it_and_loads_with_from_pretrained(tmp_path: Path) -> None:
+def test_a_llama_trained_on_two_ranks_exports_as_save_pretrained_writes_it_and_loads_with_from_pretrained(
+    tmp_path: Path,
+) -> None:
     checkpoint, reference, out = tmp_path / "llama.ckpt", tmp_path / "save_pretrained", tmp_path / "exported"
     args = ["--checkpoint", str(checkpoint), "--reference", str(reference), "--max-shard-size", "20KB"]
     torchrun("integration_tests.export_worker", [*args, "--out", str(tmp_path / "logits.pt")], nproc=2, cwd=tmp_path)
     assert (checkpoint / ".metadata").is_file()
 
-    command = [sys.executable, "-m", "fsdp_strategy", "consolidate", str(checkpoint), str(out), "--format", "safetensors"]
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_strategy",
+        "consolidate",
+        str(checkpoint),
+        str(out),
+        "--format",
+        "safetensors",
+    ]
     command += ["--prefix", "model.", "--max-shard-size", "20KB", "--no-progress"]
     done = subprocess.run(command, cwd=REPO, env=_environment(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -35,7 +46,10 @@ def test_a_llama_trained_on_two_ranks_exports_as_save_pretrained_writes_it_and_l
     assert ours["weight_map"] == theirs["weight_map"] and ours["metadata"] == theirs["metadata"]
     assert len(set(ours["weight_map"].values())) > 1, "the size limit should have split the weights"
     for filename in sorted(set(theirs["weight_map"].values())):
-        expected, actual = safetensors_torch.load_file(reference / filename), safetensors_torch.load_file(out / filename)
+        expected, actual = (
+            safetensors_torch.load_file(reference / filename),
+            safetensors_torch.load_file(out / filename),
+        )
         assert actual.keys() == expected.keys(), filename
         assert all(torch.equal(actual[k], expected[k]) for k in expected), filename
 

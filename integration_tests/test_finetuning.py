@@ -33,7 +33,9 @@ def job(tmp_path: Path, nproc: int, scenarios_ddp: list[str], scenarios_single: 
     out = tmp_path / "results.pt"
     runs = [f"{strategy}/{s}" for s in scenarios_ddp for strategy in ("fsdp2", "ddp")]
     runs += [f"fsdp2/{s}" for s in scenarios_single] + extra
-    torchrun("integration_tests.finetune_worker", ["--runs", ",".join(runs), "--out", str(out)], nproc=nproc, cwd=tmp_path)
+    torchrun(
+        "integration_tests.finetune_worker", ["--runs", ",".join(runs), "--out", str(out)], nproc=nproc, cwd=tmp_path
+    )
     single = tmp_path / "single.pt"
     command = [sys.executable, "-m", "integration_tests.finetune_worker", "--world", str(nproc), "--out", str(single)]
     command += ["--runs", ",".join(f"single/{s}" for s in scenarios_single)]
@@ -43,14 +45,23 @@ def job(tmp_path: Path, nproc: int, scenarios_ddp: list[str], scenarios_single: 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    extra = ["ddp/unfreeze", "ddp_find_unused_parameters_true/toggle_optimizer", "fsdp2/hooks", "fsdp2_sharded/hooks",
-             "ddp/hooks", "fsdp2/pruning", "ddp/pruning"]
+    extra = [
+        "ddp/unfreeze",
+        "ddp_find_unused_parameters_true/toggle_optimizer",
+        "fsdp2/hooks",
+        "fsdp2_sharded/hooks",
+        "ddp/hooks",
+        "fsdp2/pruning",
+        "ddp/pruning",
+    ]
     return job(tmp_path_factory.mktemp("finetune2"), 2, AGAINST_DDP, AGAINST_ONE_PROCESS, extra)
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return job(tmp_path_factory.mktemp("finetune4"), 4, ["frozen", "tied_frozen", "grad_norm", "copies"], ["unfreeze"], [])
+    return job(
+        tmp_path_factory.mktemp("finetune4"), 4, ["frozen", "tied_frozen", "grad_norm", "copies"], ["unfreeze"], []
+    )
 
 
 def reference(results: dict, scenario: str) -> dict:
@@ -80,7 +91,9 @@ def test_toggle_optimizer_trains_as_ddp_with_find_unused_parameters(two: dict) -
 @pytest.mark.parametrize("scenario", FROZEN)
 def test_the_optimizer_holds_state_for_trainable_parameters_only(two: dict, scenario: str) -> None:
     assert two[f"fsdp2/{scenario}"]["optimizer_state_entries"] == two[f"ddp/{scenario}"]["optimizer_state_entries"]
-    trainable = {"frozen": 2, "tied_frozen": 9, "lora": 8}[scenario]  # head; blocks + head bias; two adapters x 2 layers x 2
+    trainable = {"frozen": 2, "tied_frozen": 9, "lora": 8}[
+        scenario
+    ]  # head; blocks + head bias; two adapters x 2 layers x 2
     assert two[f"fsdp2/{scenario}"]["optimizer_state_entries"] == [trainable]
 
 
@@ -90,14 +103,18 @@ def test_unfreezing_adds_the_backbone_group_after_a_frozen_checkpoint_too(two: d
 
 
 @pytest.mark.parametrize("results", ["two", "four"])
-def test_copies_of_sharded_modules_are_plain_modules_with_ddps_values(results: str, request: pytest.FixtureRequest) -> None:
+def test_copies_of_sharded_modules_are_plain_modules_with_ddps_values(
+    results: str, request: pytest.FixtureRequest
+) -> None:
     runs = request.getfixturevalue(results)
     sharded, ddp = runs["fsdp2/copies"], runs["ddp/copies"]
     assert len(sharded["snapshots"]) == len(ddp["snapshots"]) == 4
     # Within the parity tolerance: 4 ranks sum gradients in another order than DDP (2 ranks: bit for bit here).
     for mine, theirs in zip(sharded["snapshots"], ddp["snapshots"]):  # deepcopy(self.head) in each training_step
         assert max_relative_difference(mine, theirs) <= 1e-5
-    assert max_relative_difference(sharded["teacher"], ddp["teacher"]) <= 1e-5  # deepcopy in on_train_start, used each step
+    assert (
+        max_relative_difference(sharded["teacher"], ddp["teacher"]) <= 1e-5
+    )  # deepcopy in on_train_start, used each step
     assert max_relative_difference(sharded["copy_after_fit"], ddp["copy_after_fit"]) <= 1e-5
     assert sharded["copies"]["classes"] == ["Sequential", "Linear", "CopyingRegressor"] == ddp["copies"]["classes"]
     assert max_relative_difference(sharded["copies"]["backbone"], ddp["copies"]["backbone"]) <= 1e-5  # torch.save
@@ -106,7 +123,9 @@ def test_copies_of_sharded_modules_are_plain_modules_with_ddps_values(results: s
 
 
 @pytest.mark.parametrize("results", ["two", "four"])
-def test_grad_norm_logs_ddps_values_and_clipping_in_the_hook_acts_as_under_ddp(results: str, request: pytest.FixtureRequest) -> None:
+def test_grad_norm_logs_ddps_values_and_clipping_in_the_hook_acts_as_under_ddp(
+    results: str, request: pytest.FixtureRequest
+) -> None:
     runs = request.getfixturevalue(results)
     sharded, ddp = runs["fsdp2/grad_norm"]["metrics"], runs["ddp/grad_norm"]["metrics"]
     norms = [name for name in ddp if name.startswith("grad_2.0_norm")]
@@ -129,8 +148,14 @@ def test_every_hook_runs_in_ddps_order(two: dict, run: str, stage: str) -> None:
     assert two[run][stage] == two["ddp/hooks"][stage]
     if stage in ("resume", "validate"):  # restored before the module is set up, as DDP does
         calls = two[run][stage]
-        assert calls.index("M.on_load_checkpoint") < calls.index("M.load_state_dict(strict)") < calls.index("C.on_load_checkpoint")
-        assert calls.index("C.on_load_checkpoint") < calls.index("M.on_fit_start" if stage == "resume" else "M.on_validation_start")
+        assert (
+            calls.index("M.on_load_checkpoint")
+            < calls.index("M.load_state_dict(strict)")
+            < calls.index("C.on_load_checkpoint")
+        )
+        assert calls.index("C.on_load_checkpoint") < calls.index(
+            "M.on_fit_start" if stage == "resume" else "M.on_validation_start"
+        )
 
 
 def test_model_pruning_is_refused_before_training_naming_what_to_do(two: dict) -> None:

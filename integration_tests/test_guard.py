@@ -16,7 +16,9 @@ from testkit import free_port
 def test_skip_skips_the_step_on_every_rank_as_a_run_that_drops_it(tmp_path: Path) -> None:
     # Reference: DDP without poison or guard, whose callback drops the gradients of step 3.
     out = tmp_path / "result.pt"
-    torchrun("integration_tests.guard_worker", ["--runs", "fsdp2_skip,ddp_drop", "--out", str(out)], nproc=2, cwd=tmp_path)
+    torchrun(
+        "integration_tests.guard_worker", ["--runs", "fsdp2_skip,ddp_drop", "--out", str(out)], nproc=2, cwd=tmp_path
+    )
     results = torch.load(out)
     skipped, reference = results["fsdp2_skip"], results["ddp_drop"]
     assert skipped["skipped_steps"] == [1, 1]
@@ -37,7 +39,14 @@ def test_raise_fails_every_rank_naming_the_parameter(tmp_path: Path) -> None:
     }
     cmd = [sys.executable, "-m", "integration_tests.guard_worker", "--runs", "fsdp2_raise", "--devices", "2"]
     ranks = [
-        subprocess.Popen(cmd, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env={**env, "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in range(2)
     ]
     try:

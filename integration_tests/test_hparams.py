@@ -22,7 +22,10 @@ def test_object_hyper_parameters_save_resume_and_consolidate_as_under_ddp(tmp_pa
     checkpoints = tmp_path / "checkpoints"
     out = tmp_path / "results.pt"
     torchrun(
-        "integration_tests.hparams_worker", ["--checkpoint-dir", str(checkpoints), "--out", str(out)], nproc=2, cwd=tmp_path
+        "integration_tests.hparams_worker",
+        ["--checkpoint-dir", str(checkpoints), "--out", str(out)],
+        nproc=2,
+        cwd=tmp_path,
     )
     results = torch.load(out, weights_only=True)  # plain data: the worker describes its objects
     params, errors = results["params"], results["errors"]

@@ -17,7 +17,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     results = {}
     for strategy in ("fsdp2", "ddp"):
         out = tmp_path / f"{strategy}.pt"
-        torchrun("integration_tests.lifecycle_worker", ["--strategy", strategy, "--out", str(out)], nproc=2, cwd=tmp_path)
+        torchrun(
+            "integration_tests.lifecycle_worker", ["--strategy", strategy, "--out", str(out)], nproc=2, cwd=tmp_path
+        )
         results[strategy] = torch.load(out, weights_only=False)
     return results
 

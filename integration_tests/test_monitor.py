@@ -30,7 +30,9 @@ def test_every_rank_gets_a_row_per_rank_and_the_same_summary(runs):
         assert zero["ranks"] == one["ranks"]  # gathered on every rank, not only on rank 0
         assert zero["world_size"] == 2 and zero["strategy"] == strategy and zero["steps"] == 8
         assert zero["measured_batches"] == 6  # after 2 warm-up steps; validation time left out
-        assert all(r["peak_rss_bytes"] > 0 and r["samples_per_sec"] > 0 and r["tflops_per_sec"] > 0 for r in zero["ranks"])
+        assert all(
+            r["peak_rss_bytes"] > 0 and r["samples_per_sec"] > 0 and r["tflops_per_sec"] > 0 for r in zero["ranks"]
+        )
         # all ranks' samples over the slowest rank's time, each rank's time recovered from its own row
         samples_per_rank = zero["measured_batches"] * BATCH_SIZE
         seconds = [samples_per_rank / r["samples_per_sec"] for r in zero["ranks"]]

@@ -76,7 +76,10 @@ def assert_topology(ranks: dict[tuple[int, int], dict], strategy: str) -> None:
             # Replicate across the nodes, shard within each: node 1 is replica 1, its shards are ranks 2 and 3.
             assert report["mesh_shape"] == (2, 2) and report["mesh_dim_names"] == ("dp_replicate", "dp_shard"), where
             assert report["mesh_coordinate"] == (node, local), where
-            assert report["mesh_groups"] == {"dp_replicate": [local, DEVICES + local], "dp_shard": [2 * node, 2 * node + 1]}, where
+            assert report["mesh_groups"] == {
+                "dp_replicate": [local, DEVICES + local],
+                "dp_shard": [2 * node, 2 * node + 1],
+            }, where
             assert report["placements"] == ["Replicate", "Shard"], where
         else:
             assert report["mesh_shape"] is None, where

@@ -61,7 +61,9 @@ def test_uneven_shards_parity_with_ddp(run_worker, nproc: int) -> None:
 
 
 def test_manual_optimization_bf16_and_grad_op(run_worker) -> None:
-    results = run_worker(["--strategies", "fsdp2,fsdp2_grad_op,ddp", "--variants", "gan,sgd,sgd_bf16,sgd_bf16_ac"], nproc=2)
+    results = run_worker(
+        ["--strategies", "fsdp2,fsdp2_grad_op,ddp", "--variants", "gan,sgd,sgd_bf16,sgd_bf16_ac"], nproc=2
+    )
     # GAN pattern: the generator loss goes through the discriminator updated earlier in the same step.
     for strategy in ("fsdp2", "fsdp2_grad_op"):
         assert max_relative_difference(results[f"{strategy}/gan"]["params"], results["ddp/gan"]["params"]) <= 1e-5

@@ -22,7 +22,13 @@ WORKER = "integration_tests.recovery_worker"
 
 def _elastic_run(tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / f"{name}.pt"
-    torchrun(WORKER, ["--checkpoint-dir", str(tmp_path / name), "--out", str(out), *extra], nproc=2, cwd=tmp_path, max_restarts=1)
+    torchrun(
+        WORKER,
+        ["--checkpoint-dir", str(tmp_path / name), "--out", str(out), *extra],
+        nproc=2,
+        cwd=tmp_path,
+        max_restarts=1,
+    )
     return torch.load(out)
 
 
@@ -66,8 +72,19 @@ def _by_hand(tmp_path: Path, world_size: int, ranks: list[int], port: int, *extr
             "LOCAL_WORLD_SIZE": "1",
             "TORCHELASTIC_RUN_ID": "by-hand",
         }
-        cmd = [sys.executable, "-m", WORKER, "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run.pt"), *extra]
-        procs[rank] = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            WORKER,
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(tmp_path / "run.pt"),
+            *extra,
+        ]
+        procs[rank] = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     return procs
 
 
@@ -91,9 +108,11 @@ def test_a_dead_peer_is_named_by_the_survivor(tmp_path: Path) -> None:
         _stop(procs)
     assert (tmp_path / "run.killed").exists()
     assert code != 0
-    assert "FSDP2Strategy: a collective failed. Lost 1 of 2 ranks: rank 1 (node 1, local rank 0, host" in output, output[-3000:]
+    assert "FSDP2Strategy: a collective failed. Lost 1 of 2 ranks: rank 1 (node 1, local rank 0, host" in output, (
+        output[-3000:]
+    )
     assert "Every rank of node 1 is gone: that node was probably lost." in output
-    assert "with `torchrun --max-restarts N` and `trainer.fit(..., ckpt_path=\"last\")`" in output
+    assert 'with `torchrun --max-restarts N` and `trainer.fit(..., ckpt_path="last")`' in output
 
 
 def test_a_stuck_peer_fails_the_others_after_the_timeout_naming_who_is_behind(tmp_path: Path) -> None:
@@ -103,7 +122,9 @@ def test_a_stuck_peer_fails_the_others_after_the_timeout_naming_who_is_behind(tm
     finally:
         _stop(procs)
     assert code != 0
-    assert "Every rank is still alive, so one of them did not reach the same collective in time" in output, output[-3000:]
+    assert "Every rank is still alive, so one of them did not reach the same collective in time" in output, output[
+        -3000:
+    ]
     assert "Global step per rank: rank 0: 3, rank 1: 2. Rank 1 is behind." in output
 
 
@@ -117,6 +138,8 @@ def test_ranks_that_never_arrive_are_named(tmp_path: Path) -> None:
         _stop(lonely_rank0)
         _stop(lonely_rank1)
     assert code0 != 0 and code1 != 0
-    assert "PeerLostError: Rank 1 (node 1) of 2 did not join within 5 s (seen from rank 0 (node 0" in output0, output0[-3000:]
+    assert "PeerLostError: Rank 1 (node 1) of 2 did not join within 5 s (seen from rank 0 (node 0" in output0, output0[
+        -3000:
+    ]
     assert "could not reach the rendezvous store of rank 0 (node 0) at 127.0.0.1:" in output1, output1[-3000:]
     assert "within 5 s" in output1

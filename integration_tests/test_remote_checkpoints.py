@@ -52,7 +52,9 @@ def test_on_s3_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable_an
         "save": (f"{s3_bucket}/save", ("--kill-in-save", "3")),
     }
     with ThreadPoolExecutor(len(runs)) as pool:
-        futures = {name: pool.submit(_elastic_run, tmp_path, name, where, *extra) for name, (where, extra) in runs.items()}
+        futures = {
+            name: pool.submit(_elastic_run, tmp_path, name, where, *extra) for name, (where, extra) in runs.items()
+        }
         results = {name: future.result() for name, future in futures.items()}
 
     local = results["local"]
@@ -66,7 +68,13 @@ def test_on_s3_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable_an
 
     # As Lightning names them on any store: the resumed "publish" run found epoch=1-step=8.ckpt taken, hence -v1.
     expected = {
-        "publish": ["epoch=0-step=4.ckpt", "epoch=1-step=8-v1.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"],
+        "publish": [
+            "epoch=0-step=4.ckpt",
+            "epoch=1-step=8-v1.ckpt",
+            "epoch=1-step=8.ckpt",
+            "epoch=2-step=12.ckpt",
+            "last.ckpt",
+        ],
         "save": ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"],
     }
     for name, names in expected.items():

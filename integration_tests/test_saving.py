@@ -38,7 +38,9 @@ def assert_saved_during_fit_as_under_ddp(results: dict, directory: Path) -> None
 
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_checkpoints_saved_in_the_background_during_fit_resume_as_under_ddp(tmp_path: Path, nproc: int) -> None:
-    results = save_worker(tmp_path, ["--scenarios", "during_fit", "--runs", ASYNC_RUNS, "--checkpoint-dir", str(tmp_path)], nproc=nproc)
+    results = save_worker(
+        tmp_path, ["--scenarios", "during_fit", "--runs", ASYNC_RUNS, "--checkpoint-dir", str(tmp_path)], nproc=nproc
+    )
     assert_saved_during_fit_as_under_ddp(results["during_fit"], tmp_path)
 
 
@@ -57,14 +59,23 @@ def test_on_two_ranks_saves_during_fit_and_a_checkpoint_io_plugin_behave_as_unde
     assert rank1 == [("teardown",), ("teardown",), ("load", "last.ckpt", None), ("teardown",)]
     # Wrapped in AsyncCheckpointIO, the plugin saves on a thread: the same calls, in an order of its own.
     async_ddp, async_fsdp2 = plugin["ddp_async_io"], plugin["fsdp2_full_async_io"]
-    assert [sorted(map(repr, calls)) for calls in async_fsdp2["calls"]] == [sorted(map(repr, c)) for c in async_ddp["calls"]]
+    assert [sorted(map(repr, calls)) for calls in async_fsdp2["calls"]] == [
+        sorted(map(repr, c)) for c in async_ddp["calls"]
+    ]
     for run, reference in (("fsdp2_full", ddp), ("fsdp2_full_async_io", async_ddp)):
         result = plugin[run]
         # The same files, written by the plugin (its extra key), holding the same state.
-        assert result["files"].keys() == reference["files"].keys() == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt", "extra.ckpt"}
+        assert (
+            result["files"].keys()
+            == reference["files"].keys()
+            == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt", "extra.ckpt"}
+        )
         for name, saved in result["files"].items():
             assert saved.keys() == reference["files"][name].keys() and saved["saved_by"] == "RecordingIO", (run, name)
-            assert max_relative_difference(saved["state_dict"], reference["files"][name]["state_dict"]) <= 1e-5, (run, name)
+            assert max_relative_difference(saved["state_dict"], reference["files"][name]["state_dict"]) <= 1e-5, (
+                run,
+                name,
+            )
         # trainer.test() after fit with the same Trainer, then a resume through the plugin.
         assert result["test"][0]["test_loss"] == pytest.approx(reference["test"][0]["test_loss"], rel=1e-5), run
         assert result["started_at"] == reference["started_at"] == 8, run
@@ -74,10 +85,14 @@ def test_on_two_ranks_saves_during_fit_and_a_checkpoint_io_plugin_behave_as_unde
 def assert_failed_on_every_rank_and_resumable(results: dict, directory: Path, *, failing_rank: dict[str, str]) -> None:
     for run, result in results.items():
         expected = (
-            re.escape(f"Could not save checkpoint '{directory / run / 'epoch=0-step=4.ckpt'}': no space left on device in")
+            re.escape(
+                f"Could not save checkpoint '{directory / run / 'epoch=0-step=4.ckpt'}': no space left on device in"
+            )
             + re.escape(f" '{directory / run}' (rank ")
             + failing_rank[run]
-            + re.escape(" was writing). The earlier checkpoints are intact; the partial files of this attempt were removed.")
+            + re.escape(
+                " was writing). The earlier checkpoints are intact; the partial files of this attempt were removed."
+            )
         )
         for rank, error in enumerate(result["errors"]):
             assert error is not None, f"{run}: rank {rank} raised nothing"
@@ -99,7 +114,9 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_prev
 def test_a_real_full_filesystem_fails_the_save_on_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a 3 MB tmpfs here ({mounted.stderr.strip()}); needs root or CAP_SYS_ADMIN")
     try:

@@ -88,7 +88,9 @@ def test_ordinary_scripts_match_ddp(tmp_path: Path, pretrained: Path) -> None:
         assert run["pickled_bytes"] > 0
         assert torch.allclose(run["rank0_logits"], reference["rank0_logits"], rtol=1e-4, atol=1e-5), strategy
     assert results["fsdp2/after_fit"]["best_is_file"]  # "auto": one file while the state fits rank 0's memory
-    assert max_relative_difference(results["fsdp2/after_fit"]["loaded_from_best"], reference["loaded_from_best"]) <= 1e-5
+    assert (
+        max_relative_difference(results["fsdp2/after_fit"]["loaded_from_best"], reference["loaded_from_best"]) <= 1e-5
+    )
     sharded = results["fsdp2_sharded/after_fit"]
     assert not sharded["best_is_file"]
     assert sharded["loaded_from_best"].startswith("IsADirectoryError")  # documented: consolidate first

@@ -43,7 +43,9 @@ class Recorder(L.Callback):
             model_state_bytes(pl_module, optimizers, scalar_state=False),  # as padded_share_bytes counts
             padded_share_bytes(pl_module, optimizers, trainer.world_size),
         )
-        self.comm_buffer_bytes = getattr(getattr(getattr(trainer.strategy, "sharding", None), "comm_buffers", None), "nbytes", None)
+        self.comm_buffer_bytes = getattr(
+            getattr(getattr(trainer.strategy, "sharding", None), "comm_buffers", None), "nbytes", None
+        )
 
 
 def padded_share_bytes(module: torch.nn.Module, optimizers: list, world_size: int) -> int:
@@ -52,8 +54,10 @@ def padded_share_bytes(module: torch.nn.Module, optimizers: list, world_size: in
     for p in {id(p): p for p in module.parameters()}.values():
         shape = p.shape
         share = math.ceil(shape[0] / world_size) * (p.numel() // shape[0] if shape[0] else 0)
-        copies = 1 + (p.grad is not None) + sum(
-            1 for opt in optimizers for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0
+        copies = (
+            1
+            + (p.grad is not None)
+            + sum(1 for opt in optimizers for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0)
         )
         total += share * p.element_size() * copies
     return total
@@ -76,8 +80,12 @@ VARIANTS: dict[str, dict] = {
     # Parameters whose first dimension 2 and 4 ranks do not divide (testkit.models.UNEVEN): FSDP2 pads the last shards.
     "uneven_adamw": {"model": "uneven"},
     "uneven_sgd_accumulate_clip_norm": {"model": "uneven", "optimizer": "sgd", "accumulate": 2, "clip_val": 0.5},
-    "uneven_adamw_clip_value_ac": {"model": "uneven", "clip_val": 0.05, "clip_algorithm": "value",
-                                   "activation_checkpointing": True},
+    "uneven_adamw_clip_value_ac": {
+        "model": "uneven",
+        "clip_val": 0.05,
+        "clip_algorithm": "value",
+        "activation_checkpointing": True,
+    },
 }
 
 

@@ -143,13 +143,25 @@ def measure(
         L.seed_everything(0, verbose=False)
         model = GPT(**model_args)
         if strategy == "ddp" and checkpointing is not None:
-            apply_activation_checkpointing(select_modules(model, normalize_policy(checkpointing, option="checkpointing")))
+            apply_activation_checkpointing(
+                select_modules(model, normalize_policy(checkpointing, option="checkpointing"))
+            )
         trainer = L.Trainer(
-            accelerator=accelerator, devices=1, precision=precision, max_steps=STEPS, limit_val_batches=0, logger=False,
-            strategy=strategy if strategy == "ddp" else FSDP2Strategy(
+            accelerator=accelerator,
+            devices=1,
+            precision=precision,
+            max_steps=STEPS,
+            limit_val_batches=0,
+            logger=False,
+            strategy=strategy
+            if strategy == "ddp"
+            else FSDP2Strategy(
                 reshard_after_forward=strategy != "fsdp2_grad_op", activation_checkpointing_policy=checkpointing
             ),
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
         )
         trainer.fit(model, loader)
         return trainer
@@ -191,8 +203,14 @@ def main() -> None:
     args = parser.parse_args()
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
         os.environ.pop(name, None)  # the fit starts its own 1-rank group
-    result = measure(args.config, json.loads(args.model_args), batch_size=args.batch_size, seq_len=args.seq_len,
-                     warmup=not args.no_warmup, accelerator=args.accelerator)
+    result = measure(
+        args.config,
+        json.loads(args.model_args),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        warmup=not args.no_warmup,
+        accelerator=args.accelerator,
+    )
     args.out.write_text(json.dumps(result))
 
 

@@ -35,7 +35,9 @@ class RecordingIO(CheckpointIO):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save({**checkpoint, "saved_by": "RecordingIO"}, path)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         self.calls.append(("load", os.path.basename(path), weights_only))
         return torch.load(path, map_location="cpu", weights_only=False)
 

@@ -41,7 +41,9 @@ class MoEBlock(nn.Module):
         return mixture(x, tokens, self.norm, self.gate, self.experts)
 
 
-def mixture(x: torch.Tensor, tokens: torch.Tensor, norm: nn.Module, gate: nn.Module, experts: nn.ModuleList) -> torch.Tensor:
+def mixture(
+    x: torch.Tensor, tokens: torch.Tensor, norm: nn.Module, gate: nn.Module, experts: nn.ModuleList
+) -> torch.Tensor:
     h = norm(x).flatten(0, 1)
     choice = tokens.flatten() % len(experts)
     weight = gate(h).softmax(-1).gather(1, choice[:, None])
@@ -279,9 +281,14 @@ class TinyCNN(LightningModule):
         super().__init__()
         self.optimizer_name = optimizer
         self.features = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-            nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+            nn.Conv2d(1, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
         )
         self.scale = RunningScale()
         self.classifier = nn.Linear(32, 3)

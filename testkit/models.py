@@ -82,7 +82,9 @@ class TinyLM(LightningModule):
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         tokens, targets = batch
         logits = self(tokens)
-        self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), sync_dist=True)
+        self.log(
+            "val_loss", nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), sync_dist=True
+        )
         # torchmetrics syncs its own state across ranks when computed at epoch end.
         self.val_accuracy(logits.flatten(0, 1), targets.flatten())
         self.log("val_accuracy", self.val_accuracy)

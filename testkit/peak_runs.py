@@ -61,7 +61,9 @@ def live_peak_fit(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        strategy=strategy if strategy == "ddp" else FSDP2Strategy(
+        strategy=strategy
+        if strategy == "ddp"
+        else FSDP2Strategy(
             reshard_after_forward=strategy != "fsdp2_grad_op", activation_checkpointing_policy=checkpointing
         ),
         precision=precision,
@@ -84,8 +86,14 @@ def measure(config: str, model_args: dict, *, batch_size: int, seq_len: int, acc
     L.seed_everything(0)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; the fits start the process group
     loader = _loader(batch_size, seq_len, model_args.get("vocab_size", 256), accumulate, world_size)
-    return live_peak_fit(GPT(**model_args), loader, strategy=strategy, precision=precision,
-                         checkpointing=checkpointing, accumulate=accumulate)
+    return live_peak_fit(
+        GPT(**model_args),
+        loader,
+        strategy=strategy,
+        precision=precision,
+        checkpointing=checkpointing,
+        accumulate=accumulate,
+    )
 
 
 def main() -> None:

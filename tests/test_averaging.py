@@ -123,7 +123,9 @@ def test_ema_on_one_rank_matches_ddp_and_the_copy_is_whole_again_after_fit(train
         L.seed_everything(3)
         callback = EMAWeightAveraging(decay=0.7)
         model = TinyLM()
-        trainer(tmp_path / name, strategy, [callback]).fit(model, token_loader(batch_size=4, samples=16), token_loader(batch_size=4, samples=8))
+        trainer(tmp_path / name, strategy, [callback]).fit(
+            model, token_loader(batch_size=4, samples=16), token_loader(batch_size=4, samples=8)
+        )
         average = averaged_model_of(callback).module
         assert not any(isinstance(p, DTensor) for p in average.parameters())  # whole again after fit, as under DDP
         results[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -137,7 +139,9 @@ def test_stochastic_weight_averaging_is_refused_naming_the_sharded_alternative(t
 
     message = "StochasticWeightAveraging does not support sharded models"
     with pytest.raises(MisconfigurationException, match=re.escape(message)) as refused:
-        trainer(tmp_path, "fsdp2", [StochasticWeightAveraging(swa_lrs=0.1)]).fit(TinyLM(), token_loader(batch_size=4, samples=16))
+        trainer(tmp_path, "fsdp2", [StochasticWeightAveraging(swa_lrs=0.1)]).fit(
+            TinyLM(), token_loader(batch_size=4, samples=16)
+        )
     assert "Use `lightning.pytorch.callbacks.WeightAveraging`" in str(refused.value)
 
 
@@ -145,6 +149,8 @@ def test_a_module_built_on_the_meta_device_is_refused_before_the_callback_copies
     run = trainer(tmp_path, FSDP2Strategy(), [EMAWeightAveraging()])
     with run.init_module(empty_init=True):
         model = TinyLM()
-    message = "EMAWeightAveraging cannot average a module built on the meta device (`trainer.init_module(empty_init=True)`)"
+    message = (
+        "EMAWeightAveraging cannot average a module built on the meta device (`trainer.init_module(empty_init=True)`)"
+    )
     with pytest.raises(ValueError, match=re.escape(message)):
         run.fit(model, token_loader(batch_size=4, samples=16))

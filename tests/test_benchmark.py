@@ -29,8 +29,20 @@ from fsdp_strategy.tools.benchmark.run import (
 )
 from fsdp_strategy.tools.cli import main
 
-GOOD = dict(model=None, init_args=None, size=None, strategies=["ddp", "fsdp2"], world_sizes=[2],
-            precision="32-true", steps=2, warmup=1, repeats=1, batch_size=2, seq_len=16, vocab_size=256)
+GOOD = dict(
+    model=None,
+    init_args=None,
+    size=None,
+    strategies=["ddp", "fsdp2"],
+    world_sizes=[2],
+    precision="32-true",
+    steps=2,
+    warmup=1,
+    repeats=1,
+    batch_size=2,
+    seq_len=16,
+    vocab_size=256,
+)
 
 
 def check(**changes):
@@ -45,14 +57,21 @@ def check(**changes):
         ({"repeats": True}, "`--repeats` must be an integer >= 1; got True."),
         ({"batch_size": 0}, "`--batch-size` must be an integer >= 1; got 0."),
         ({"precision": "16-true"}, "`--precision` must be one of 32-true, bf16-mixed; got '16-true'."),
-        ({"strategies": ["ddp", "fsdp"]},
-         "`--strategies`: 'fsdp' is not one of ddp, fsdp2, fsdp2_grad_op, model_parallel, raw_fsdp2."),
+        (
+            {"strategies": ["ddp", "fsdp"]},
+            "`--strategies`: 'fsdp' is not one of ddp, fsdp2, fsdp2_grad_op, model_parallel, raw_fsdp2.",
+        ),
         ({"strategies": ["ddp", "ddp"]}, "`--strategies` names 'ddp' more than once; got 'ddp,ddp'."),
         ({"world_sizes": [2, 0]}, "`--world-sizes` must be positive integers; got [2, 0]."),
-        ({"model": "pkg:Net", "size": "tiny"},
-         "`--model` and `--size` exclude each other (`--size` picks the example GPT); got --model 'pkg:Net' and"
-         " --size 'tiny'."),
-        ({"init_args": {"n_layer": 2}}, "`--init-args` goes with `--model`; the example GPT's arguments come from `--size`."),
+        (
+            {"model": "pkg:Net", "size": "tiny"},
+            "`--model` and `--size` exclude each other (`--size` picks the example GPT); got --model 'pkg:Net' and"
+            " --size 'tiny'.",
+        ),
+        (
+            {"init_args": {"n_layer": 2}},
+            "`--init-args` goes with `--model`; the example GPT's arguments come from `--size`.",
+        ),
         ({"size": "huge"}, "`--size` must be one of tiny, small, medium, large; got 'huge'."),
     ],
 )
@@ -100,12 +119,19 @@ def test_a_missing_extra_names_the_module_and_the_install_command():
     ("argv", "message"),
     [
         (["--world-sizes", "2,0"], "`--world-sizes` must be comma-separated positive ints such as 1,2,4,8; got '2,0'."),
-        (["--strategies", "ddp,zero3"], "`--strategies`: 'zero3' is not one of ddp, fsdp2, fsdp2_grad_op, model_parallel,"
-         " raw_fsdp2."),
-        (["--model", "torch.nn:Linear"], "`--model` 'torch.nn:Linear' must name a LightningModule subclass; it is"
-         " <class 'torch.nn.modules.linear.Linear'>."),
-        (["--model", "pkg.Net"], "The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class;"
-         " got 'pkg.Net'."),
+        (
+            ["--strategies", "ddp,zero3"],
+            "`--strategies`: 'zero3' is not one of ddp, fsdp2, fsdp2_grad_op, model_parallel, raw_fsdp2.",
+        ),
+        (
+            ["--model", "torch.nn:Linear"],
+            "`--model` 'torch.nn:Linear' must name a LightningModule subclass; it is"
+            " <class 'torch.nn.modules.linear.Linear'>.",
+        ),
+        (
+            ["--model", "pkg.Net"],
+            "The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got 'pkg.Net'.",
+        ),
     ],
 )
 def test_the_command_reports_a_bad_option_and_exits_with_2(argv, message, capsys):
@@ -116,8 +142,18 @@ def test_the_command_reports_a_bad_option_and_exits_with_2(argv, message, capsys
 def test_repeats_are_interleaved_and_rotated():
     jobs = interleaved_jobs(["a", "b", "c"], [2, 4], repeats=2)
     assert [(j.strategy, j.world_size, j.repeat) for j in jobs] == [
-        ("a", 2, 0), ("b", 2, 0), ("c", 2, 0), ("a", 4, 0), ("b", 4, 0), ("c", 4, 0),
-        ("b", 2, 1), ("c", 2, 1), ("a", 2, 1), ("b", 4, 1), ("c", 4, 1), ("a", 4, 1),
+        ("a", 2, 0),
+        ("b", 2, 0),
+        ("c", 2, 0),
+        ("a", 4, 0),
+        ("b", 4, 0),
+        ("c", 4, 0),
+        ("b", 2, 1),
+        ("c", 2, 1),
+        ("a", 2, 1),
+        ("b", 4, 1),
+        ("c", 4, 1),
+        ("a", 4, 1),
     ]
     assert jobs[0] == Job("a", 2, 0)
 
@@ -129,13 +165,28 @@ MiB = 2**20
 
 def row(strategy, world_size, repeat, rank, *, growth, step, state=100 * MiB):
     return {
-        "strategy": strategy, "world_size": world_size, "repeat": repeat, "rank": rank, "params": 1000,
-        "precision": "32-true", "batch_size": 2, "seq_len": 8, "rss_after_imports_bytes": 400 * MiB,
-        "peak_rss_bytes": 400 * MiB + growth, "growth_bytes": growth, "train_growth_bytes": growth - MiB,
-        "stage_end_s": step * (1 + rank), "model_state_bytes": state,
-        "model_state_total_bytes": 200 * MiB, "model_state_over_ideal": state / (200 * MiB / world_size),
-        "step_time_s": step, "cpu_time_s": step / 2, "samples_per_s": world_size * 2 / step,
-        "tokens_per_s": world_size * 16 / step, "loss_last": 5.5, "step_times_s": [step, step],
+        "strategy": strategy,
+        "world_size": world_size,
+        "repeat": repeat,
+        "rank": rank,
+        "params": 1000,
+        "precision": "32-true",
+        "batch_size": 2,
+        "seq_len": 8,
+        "rss_after_imports_bytes": 400 * MiB,
+        "peak_rss_bytes": 400 * MiB + growth,
+        "growth_bytes": growth,
+        "train_growth_bytes": growth - MiB,
+        "stage_end_s": step * (1 + rank),
+        "model_state_bytes": state,
+        "model_state_total_bytes": 200 * MiB,
+        "model_state_over_ideal": state / (200 * MiB / world_size),
+        "step_time_s": step,
+        "cpu_time_s": step / 2,
+        "samples_per_s": world_size * 2 / step,
+        "tokens_per_s": world_size * 16 / step,
+        "loss_last": 5.5,
+        "step_times_s": [step, step],
     }
 
 
@@ -190,7 +241,9 @@ def test_variants_carry_strategy_options_and_meta_init():
     from fsdp_strategy.tools.benchmark.options import Variant, parse_variant
 
     assert parse_variant("fsdp2:host_memory=release:init=meta") == Variant("fsdp2", {"host_memory": "release"}, "meta")
-    assert parse_variant("fsdp2_grad_op:reshard_after_forward=2") == Variant("fsdp2_grad_op", {"reshard_after_forward": 2})
+    assert parse_variant("fsdp2_grad_op:reshard_after_forward=2") == Variant(
+        "fsdp2_grad_op", {"reshard_after_forward": 2}
+    )
     assert parse_strategies("ddp,fsdp2:host_memory=keep") == ["ddp", "fsdp2:host_memory=keep"]
     for text, message in [
         ("ddp:host_memory=keep", "only fsdp2, fsdp2_grad_op take ':option=value' settings"),
@@ -199,5 +252,7 @@ def test_variants_carry_strategy_options_and_meta_init():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_variant(text)
-    with pytest.raises(ValueError, match=re.escape("`--baseline` must be one of the --strategies (ddp, fsdp2); got 'x'.")):
+    with pytest.raises(
+        ValueError, match=re.escape("`--baseline` must be one of the --strategies (ddp, fsdp2); got 'x'.")
+    ):
         run_benchmark(size="tiny", strategies=["ddp", "fsdp2"], baseline="x", progress=False)

@@ -99,8 +99,16 @@ class StepBroadcasts(L.Callback):
 def count_step_broadcasts(model: L.LightningModule, loader) -> list[int]:  # type: ignore[no-untyped-def]
     counter = StepBroadcasts()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="fsdp2", max_steps=3, limit_val_batches=0, use_distributed_sampler=False,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy="fsdp2",
+        max_steps=3,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[counter],
     )
     trainer.fit(model, loader)

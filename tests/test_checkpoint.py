@@ -25,9 +25,16 @@ from testkit.models import TinyLM, token_loader
 def sharded_tinylm(mesh, seed: int) -> TinyLM:
     torch.manual_seed(seed)
     model = TinyLM()
-    units = plan_units(model, normalize_policy("auto", option="wrap_policy"), mp_policy=MixedPrecisionPolicy(), keep_norms_fp32=False)
+    units = plan_units(
+        model, normalize_policy("auto", option="wrap_policy"), mp_policy=MixedPrecisionPolicy(), keep_norms_fp32=False
+    )
     apply_fully_shard(
-        model, units, mesh, root_mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), reshard_after_forward=True
+        model,
+        units,
+        mesh,
+        root_mp_policy=MixedPrecisionPolicy(),
+        offload_policy=OffloadPolicy(),
+        reshard_after_forward=True,
     )
     return model
 
@@ -126,7 +133,11 @@ def test_saving_and_loading_optimizer_state_never_steps_the_optimizer_nor_drops_
     assert sharded["state"] == {} and whole["state"] == {}
     assert sharded["param_groups"][0]["params"] == [name for name, _ in model.named_parameters()]
     assert whole["param_groups"][0]["params"] == list(range(len(list(model.parameters()))))
-    writing.save_sharded(tmp_path / "ck", {"state_dict": ckpt.model_state(model, full=False), "optimizer_states": [sharded]}, is_rank_zero=True)
+    writing.save_sharded(
+        tmp_path / "ck",
+        {"state_dict": ckpt.model_state(model, full=False), "optimizer_states": [sharded]},
+        is_rank_zero=True,
+    )
     ckpt.load_sharded_optimizers(tmp_path / "ck", model, [optimizer], [sharded])
     ckpt.load_full_optimizers([optimizer], [whole])
     assert optimizer.steps == 0
@@ -249,8 +260,12 @@ def test_a_full_checkpoint_of_another_model_names_the_mismatching_keys(mesh, tmp
     path = tmp_path / "other.ckpt"
     torch.save({"state_dict": TinyLM(n_layer=4).state_dict()}, path)
     model = sharded_tinylm(mesh, seed=1)
-    with pytest.raises(CheckpointError, match=re.escape(f"Checkpoint '{path}' was saved from a different model")) as error:
-        ckpt.check_full_state_dict(model, ckpt.read_full_checkpoint(path, weights_only=True)["state_dict"], strict=True, path=path)
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"Checkpoint '{path}' was saved from a different model")
+    ) as error:
+        ckpt.check_full_state_dict(
+            model, ckpt.read_full_checkpoint(path, weights_only=True)["state_dict"], strict=True, path=path
+        )
     assert "unexpected key" in str(error.value) and "blocks.3." in str(error.value)
 
 

@@ -45,8 +45,11 @@ def test_views_and_copies_in_flight_keep_a_buffer_from_being_lent():
 
 def test_sizes_and_dtypes_have_buffers_of_their_own():
     pool = BufferPool()
-    kept = [pool.take((8,), torch.float32, torch.device("cpu")), pool.take((8,), torch.bfloat16, torch.device("cpu")),
-            pool.take((9,), torch.float32, torch.device("cpu"))]
+    kept = [
+        pool.take((8,), torch.float32, torch.device("cpu")),
+        pool.take((8,), torch.bfloat16, torch.device("cpu")),
+        pool.take((9,), torch.float32, torch.device("cpu")),
+    ]
     assert len({_address(t) for t in kept}) == 3
     assert pool.nbytes == 8 * 4 + 8 * 2 + 9 * 4
 

@@ -209,8 +209,13 @@ class RecordStart(L.Callback):
 
 def test_trainer_checkpoint_consolidates_and_resumes_on_a_single_device(trainer_env, tmp_path):
     flags: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
     )
     torch.manual_seed(0)
     model = TinyLM()
@@ -334,7 +339,9 @@ def test_missing_shard_file(tmp_path, capsys):
     assert isinstance(info.value, ValueError)
     assert (info.value.checkpoint, info.value.file) == (folder, "__0_0.distcp")
     assert str(folder) in str(info.value) and "'__0_0.distcp' is missing" in str(info.value)
-    assert error_of(capsys, str(folder), str(tmp_path / "out.ckpt")) == f"fsdp-strategy consolidate: error: {info.value}"
+    assert (
+        error_of(capsys, str(folder), str(tmp_path / "out.ckpt")) == f"fsdp-strategy consolidate: error: {info.value}"
+    )
 
 
 def test_damaged_index(tmp_path):
@@ -405,7 +412,9 @@ def test_hyper_parameters_of_your_own_types_take_the_same_trust_as_in_a_ddp_file
     # the types registered with torch).
     assert main(["consolidate", str(folder), str(out), "--no-weights-only", "--no-progress"]) == 0
     loaded = torch.load(out, weights_only=False)["hyper_parameters"]
-    assert loaded == hyper_parameters and [type(v) for v in loaded.values()] == [type(v) for v in hyper_parameters.values()]
+    assert loaded == hyper_parameters and [type(v) for v in loaded.values()] == [
+        type(v) for v in hyper_parameters.values()
+    ]
     with pytest.raises(pickle.UnpicklingError):
         torch.load(out, weights_only=True)
     with torch.serialization.safe_globals([TrainConfig, Mode, type(Path("/data"))]):

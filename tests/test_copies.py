@@ -48,8 +48,16 @@ class CopyingLM(TinyLM):
 def test_copies_during_a_mixed_precision_step_are_plain_full_precision_modules(trainer_env):
     model = CopyingLM()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=FSDP2Strategy(), precision="bf16-mixed", max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(),
+        precision="bf16-mixed",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     trainer.fit(model, token_loader(samples=4))
     seen = model.seen

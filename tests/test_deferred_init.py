@@ -76,7 +76,9 @@ class NanoGPTStyle(nn.Module):
 
     def __init__(self, n_layer: int = 2, width: int = 32) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.Linear(4 * width, width)) for _ in range(n_layer))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.Linear(4 * width, width)) for _ in range(n_layer)
+        )
         self.apply(self._init_weights)
         for layer in self.layers:
             nn.init.normal_(layer[1].weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
@@ -330,14 +332,13 @@ def test_new_tensors_made_from_a_deferred_one_need_no_memory_of_its_size():
     assert sum(max(event.cpu_memory_usage, 0) for event in profiler.events()) < 1024
 
 
-
-
 def test_the_memory_a_parameter_was_created_with_is_freed_once_its_init_overwrites_it():
     with deferred_init(CPU):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
             layers = [nn.Linear(512, 512) for _ in range(4)]  # torch.empty, then reset_parameters(): 1 MiB each
     assert len(layers) == 4
     assert sum(event.cpu_memory_usage for event in profiler.events()) < 512 * 512 * 4
+
 
 class FromScratch(nn.Module):
     def __init__(self) -> None:
@@ -353,6 +354,8 @@ class FromScratch(nn.Module):
 def test_a_tensor_modified_after_a_parameter_copied_from_it_is_an_error_not_other_values(mesh):
     with deferred_init(CPU):
         model = FromScratch()
-    message = "A tensor that `aten.copy_.default` wrote into FromScratch.first during construction was modified in place"
+    message = (
+        "A tensor that `aten.copy_.default` wrote into FromScratch.first during construction was modified in place"
+    )
     with pytest.raises(DeferredInitError, match=re.escape(message)):
         shard_and_materialize(model, mesh)

@@ -302,7 +302,9 @@ def test_cli_list_and_json_parsers():
     assert parse_init_args('{"n_layer": 2}') == {"n_layer": 2}
     assert parse_init_args(None) == {}
     for text in ("2,x", "0"):
-        with raises(ValueError, f"`--world-sizes` must be comma-separated positive ints such as 1,2,4,8; got {text!r}."):
+        with raises(
+            ValueError, f"`--world-sizes` must be comma-separated positive ints such as 1,2,4,8; got {text!r}."
+        ):
             parse_world_sizes(text)
     with raises(ValueError, f"`--strategies` must be comma-separated names from {STRATEGY_NAMES}; got 'ddp,zero'."):
         parse_strategies("ddp,zero")
@@ -316,8 +318,7 @@ def test_cli_list_and_json_parsers():
 def test_load_target_errors():
     with raises(
         ValueError,
-        "The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class;"
-        " got 'testkit.models'.",
+        "The model must be given as 'MODULE:Class' (for example 'examples.gpt:GPT') or a class; got 'testkit.models'.",
     ):
         load_target("testkit.models")
     with raises(
@@ -337,7 +338,9 @@ def test_load_target_errors():
 
 
 def test_bad_init_args_name_the_call():
-    with raises(ValueError, "Could not build TinyLM(depth=3): TinyLM.__init__() got an unexpected keyword argument 'depth'"):
+    with raises(
+        ValueError, "Could not build TinyLM(depth=3): TinyLM.__init__() got an unexpected keyword argument 'depth'"
+    ):
         estimate("testkit.models:TinyLM", init_args={"depth": 3}, world_sizes=[1])
 
 
@@ -451,7 +454,10 @@ def test_command_json(capsys):
     ("argv", "message"),
     [
         (["--budget", "80 gigs"], f"`--budget` must be {SIZE_FORMS}; got '80 gigs'.\n"),
-        (["--world-sizes", "two"], "`--world-sizes` must be comma-separated positive ints such as 1,2,4,8; got 'two'.\n"),
+        (
+            ["--world-sizes", "two"],
+            "`--world-sizes` must be comma-separated positive ints such as 1,2,4,8; got 'two'.\n",
+        ),
         (["--init-args", "{"], """`--init-args` must be a JSON object such as '{"n_layer": 12}'; got '{' (Expecting"""),
     ],
 )

@@ -32,8 +32,12 @@ def test_tracing_needs_no_memory_and_no_process_group():
 
 
 def test_activations_grow_with_the_batch_and_checkpointing_keeps_fewer():
-    peaks = StepPeaks(lambda: build_on_meta(GPT, GPT_ARGS), lambda n: token_batch(n, 32), precision="32-true",
-                      activation_checkpointing=normalize_policy(["Block"], option="activation_checkpointing"))
+    peaks = StepPeaks(
+        lambda: build_on_meta(GPT, GPT_ARGS),
+        lambda n: token_batch(n, 32),
+        precision="32-true",
+        activation_checkpointing=normalize_policy(["Block"], option="activation_checkpointing"),
+    )
     row = estimate(GPT, init_args=GPT_ARGS, world_sizes=[2], strategies=["fsdp2"]).rows[0]
     small, large = (peaks.peak(row, micro_batch_size=n) for n in (2, 8))
     assert large.activation_bytes > 3 * small.activation_bytes
@@ -41,8 +45,15 @@ def test_activations_grow_with_the_batch_and_checkpointing_keeps_fewer():
 
 
 def test_sharding_lowers_the_peak_and_checkpointing_is_reported_beside_it():
-    report = estimate(GPT, init_args=GPT_ARGS, world_sizes=[2], batch_size=4, seq_len=32, activation_checkpointing="auto",
-                      strategies=["ddp", "fsdp2_grad_op", "fsdp2"])
+    report = estimate(
+        GPT,
+        init_args=GPT_ARGS,
+        world_sizes=[2],
+        batch_size=4,
+        seq_len=32,
+        activation_checkpointing="auto",
+        strategies=["ddp", "fsdp2_grad_op", "fsdp2"],
+    )
     peaks = {r.strategy: r for r in report.rows}
     assert peaks["fsdp2"].peak_bytes < peaks["fsdp2_grad_op"].peak_bytes < peaks["ddp"].peak_bytes
     assert all(r.checkpointed_peak_bytes < r.step_peak_bytes for r in report.rows)
@@ -60,24 +71,45 @@ def test_micro_batch_sizes_divide_the_batch_largest_first():
 def _steps(checkpointing: bool = True) -> StepPeaks:
     # One per policy for the module: it keeps each micro-batch size's trace, and the traces are what takes time.
     policy = normalize_policy(["Block"], option="activation_checkpointing") if checkpointing else None
-    return StepPeaks(lambda: build_on_meta(GPT, GPT_ARGS), lambda n: token_batch(n, 32), precision="32-true",
-                     activation_checkpointing=policy)
+    return StepPeaks(
+        lambda: build_on_meta(GPT, GPT_ARGS),
+        lambda n: token_batch(n, 32),
+        precision="32-true",
+        activation_checkpointing=policy,
+    )
 
 
 def _estimate_for(strategy: str, accumulate: int) -> Estimate:
-    return estimate_module(build_on_meta(GPT, GPT_ARGS), strategy=strategy, world_size=2, accumulate_grad_batches=accumulate)
+    return estimate_module(
+        build_on_meta(GPT, GPT_ARGS), strategy=strategy, world_size=2, accumulate_grad_batches=accumulate
+    )
 
 
 def _fit(budget: int, checkpointing: bool = True) -> Recommendation:
     """A batch of 8 per rank, ddp or fsdp2 at 2 ranks."""
-    return fit_budget(_estimate_for, _steps(checkpointing), world_size=2, strategies=["ddp", "fsdp2"], batch_size=8,
-                      accumulate=1, budget=budget)
+    return fit_budget(
+        _estimate_for,
+        _steps(checkpointing),
+        world_size=2,
+        strategies=["ddp", "fsdp2"],
+        batch_size=8,
+        accumulate=1,
+        budget=budget,
+    )
 
 
 def _peak(strategy: str, micro: int, checkpointed: bool) -> int:
     accumulate = 8 // micro
-    return _steps().peak(_estimate_for(strategy, accumulate), micro_batch_size=micro, checkpointed=checkpointed,
-                         accumulate=accumulate).bytes
+    return (
+        _steps()
+        .peak(
+            _estimate_for(strategy, accumulate),
+            micro_batch_size=micro,
+            checkpointed=checkpointed,
+            accumulate=accumulate,
+        )
+        .bytes
+    )
 
 
 def test_the_budget_picks_sharding_then_checkpointing_then_smaller_micro_batches():
@@ -98,21 +130,30 @@ def test_the_budget_picks_sharding_then_checkpointing_then_smaller_micro_batches
 def test_nothing_fits_names_the_smallest_setting():
     rec = _fit(2**10)
     assert rec.strategy is None
-    assert rec.reason.startswith("nothing fits the 1.0 KiB budget per rank even at micro-batch 1 (micro-batch 1 x 8"
-                                 " accumulated with activation checkpointing: ddp ")
+    assert rec.reason.startswith(
+        "nothing fits the 1.0 KiB budget per rank even at micro-batch 1 (micro-batch 1 x 8"
+        " accumulated with activation checkpointing: ddp "
+    )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"seq_len": 32}, "`seq_len` needs `batch_size` (samples per rank and forward): the step peak is traced on a"
-                          " batch; got batch_size=None."),
+        (
+            {"seq_len": 32},
+            "`seq_len` needs `batch_size` (samples per rank and forward): the step peak is traced on a"
+            " batch; got batch_size=None.",
+        ),
         ({"activation_checkpointing": "auto"}, "`activation_checkpointing` needs `batch_size`"),
-        ({"batch_size": 2}, "`batch_size` needs one of `seq_len` (a (tokens, targets) batch of int64 tensors) or"
-                            " `sample_batch`"),
+        (
+            {"batch_size": 2},
+            "`batch_size` needs one of `seq_len` (a (tokens, targets) batch of int64 tensors) or `sample_batch`",
+        ),
         ({"batch_size": 0, "seq_len": 4}, "`batch_size` must be a positive int; got 0."),
-        ({"batch_size": 2, "sample_batch": "nomodule"}, "`sample_batch` must be given as 'MODULE:function' or a callable;"
-                                                        " got 'nomodule'."),
+        (
+            {"batch_size": 2, "sample_batch": "nomodule"},
+            "`sample_batch` must be given as 'MODULE:function' or a callable; got 'nomodule'.",
+        ),
     ],
 )
 def test_batch_option_errors_name_the_option(kwargs, message):
@@ -137,9 +178,24 @@ def test_a_sample_batch_factory_replaces_the_token_batch():
 
 
 def test_command_with_a_batch_prints_activations_and_a_setting(capsys):
-    argv = ["estimate", "fsdp_strategy.tools.benchmark.gpt:GPT", "--init-args", '{"n_layer": 2, "n_head": 2, "n_embd": 64}',
-            "--world-sizes", "2", "--strategies", "ddp,fsdp2", "--batch-size", "4", "--seq-len", "32",
-            "--activation-checkpointing", "Block", "--budget", "1GiB"]
+    argv = [
+        "estimate",
+        "fsdp_strategy.tools.benchmark.gpt:GPT",
+        "--init-args",
+        '{"n_layer": 2, "n_head": 2, "n_embd": 64}',
+        "--world-sizes",
+        "2",
+        "--strategies",
+        "ddp,fsdp2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--activation-checkpointing",
+        "Block",
+        "--budget",
+        "1GiB",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "* peak: the live tensors at the worst moment of a training step of 4 samples per rank" in out

@@ -6,17 +6,40 @@ from fsdp_strategy.estimator.model_state import Estimate
 from fsdp_strategy.estimator.report import EstimateReport, Recommendation, render_table
 
 KiB, MiB = 2**10, 2**20
-PEAK_NOTE = "* peak: model state + gathered units and unsharded gradients (DDP: gradient buckets); activations not included."
+PEAK_NOTE = (
+    "* peak: model state + gathered units and unsharded gradients (DDP: gradient buckets); activations not included."
+)
 DDP = Estimate("ddp", 2, (2, 1), 4 * MiB, 4 * MiB, 8 * MiB, 0, 0, 0, 4 * MiB, 0, working_bytes=4 * MiB)
 
 
 def test_names_left_sizes_right_zero_as_a_dash_and_a_world_size_with_only_skipped_rows():
-    fsdp2 = Estimate("fsdp2", 2, (1, 2), 2 * MiB, 2 * MiB, 4 * MiB, 512 * KiB, 3 * MiB, 4 * MiB, 0, 0,
-                     working_bytes=1536 * KiB)
-    offload = Estimate("fsdp2_offload", 2, (1, 2), 0, 0, 0, 512 * KiB, 3 * MiB, 4 * MiB, 0, 8 * MiB,
-                       working_bytes=1536 * KiB, note="CUDA only")
-    report = EstimateReport("Net", 1000, "32-true", "adamw", None, [DDP, fsdp2, offload],
-                            skipped=[("fsdp2_hybrid", 3, "no node size divides 3")])
+    fsdp2 = Estimate(
+        "fsdp2", 2, (1, 2), 2 * MiB, 2 * MiB, 4 * MiB, 512 * KiB, 3 * MiB, 4 * MiB, 0, 0, working_bytes=1536 * KiB
+    )
+    offload = Estimate(
+        "fsdp2_offload",
+        2,
+        (1, 2),
+        0,
+        0,
+        0,
+        512 * KiB,
+        3 * MiB,
+        4 * MiB,
+        0,
+        8 * MiB,
+        working_bytes=1536 * KiB,
+        note="CUDA only",
+    )
+    report = EstimateReport(
+        "Net",
+        1000,
+        "32-true",
+        "adamw",
+        None,
+        [DDP, fsdp2, offload],
+        skipped=[("fsdp2_hybrid", 3, "no node size divides 3")],
+    )
     assert render_table(report).splitlines() == [
         "Net: 1,000 parameters, precision 32-true, optimizer adamw",
         "Bytes per rank; communication in full-size bytes per optimizer step.",

@@ -30,7 +30,12 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def lightning_checkpoint(state: dict[str, torch.Tensor]) -> dict:
-    return {"state_dict": state, "optimizer_states": [], "hyper_parameters": {"config": CONFIG, "lr": 0.1}, "global_step": 1}
+    return {
+        "state_dict": state,
+        "optimizer_states": [],
+        "hyper_parameters": {"config": CONFIG, "lr": 0.1},
+        "global_step": 1,
+    }
 
 
 @pytest.fixture
@@ -42,7 +47,9 @@ def sharded(single_rank_group, tmp_path: Path) -> Path:
 
 def read_back(out: Path) -> dict[str, torch.Tensor]:
     index = out / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     loaded: dict[str, torch.Tensor] = {}
     for name in files:
         loaded.update(safetensors_torch.load_file(out / name))
@@ -75,7 +82,9 @@ def test_a_single_file_checkpoint_exports_too_with_a_config_given(tmp_path):
     torch.save(lightning_checkpoint(weights()), tmp_path / "full.ckpt")
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    export_safetensors(tmp_path / "full.ckpt", tmp_path / "out", prefix="model.", config_from=tmp_path / "cfg", progress=False)
+    export_safetensors(
+        tmp_path / "full.ckpt", tmp_path / "out", prefix="model.", config_from=tmp_path / "cfg", progress=False
+    )
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"model_type": "gpt2"}
     assert torch.equal(read_back(tmp_path / "out")["layer.weight"], weights()["model.layer.weight"])
 
@@ -111,7 +120,10 @@ def test_an_overwriting_export_removes_the_weight_files_of_the_earlier_one(shard
 
 def test_the_command_exports_and_refuses_safetensors_options_for_a_lightning_file(sharded, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["consolidate", str(sharded), str(out), "--format", "safetensors", "--prefix", "model.", "--no-progress"]) == 0
+    assert (
+        main(["consolidate", str(sharded), str(out), "--format", "safetensors", "--prefix", "model.", "--no-progress"])
+        == 0
+    )
     assert "4 tensors" in capsys.readouterr().out and (out / "model.safetensors").is_file()
     assert main(["consolidate", str(sharded), str(tmp_path / "x.ckpt"), "--prefix", "model."]) == 2
     assert "--prefix is an option of --format safetensors" in capsys.readouterr().err

@@ -59,5 +59,7 @@ def test_the_module_after_fit_is_the_users_own_with_the_trained_values(trainer_e
     run.save_checkpoint(path)
     trainer_env.fresh()
     resumed = TinyLM()
-    trainer(tmp_path, max_steps=3, strategy=FSDP2Strategy(state_dict_type="sharded")).fit(resumed, token_loader(), ckpt_path=path)
+    trainer(tmp_path, max_steps=3, strategy=FSDP2Strategy(state_dict_type="sharded")).fit(
+        resumed, token_loader(), ckpt_path=path
+    )
     assert torch.equal(resumed.blocks[0].attn_q.weight, weight_before)  # nothing left to train: 3 steps done

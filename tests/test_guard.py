@@ -78,7 +78,11 @@ def test_optimizer_parameters_are_named_in_module_order() -> None:
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (None, TypeError, "`nonfinite_grads` must be one of 'ignore', 'skip', 'raise' (a str); got None of type NoneType."),
+        (
+            None,
+            TypeError,
+            "`nonfinite_grads` must be one of 'ignore', 'skip', 'raise' (a str); got None of type NoneType.",
+        ),
         (True, TypeError, "`nonfinite_grads` must be one of 'ignore', 'skip', 'raise' (a str); got True of type bool."),
         ("warn", ValueError, "`nonfinite_grads` must be one of 'ignore', 'skip', 'raise'; got 'warn'."),
         ("Skip", ValueError, "`nonfinite_grads` must be one of 'ignore', 'skip', 'raise'; got 'Skip'."),
@@ -202,7 +206,9 @@ def fit(model: L.LightningModule, *, precision="32-true", plugins=None, callback
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def test_skip_in_a_trainer_ends_where_a_run_that_drops_that_step_ends(trainer_env) -> None:

@@ -58,8 +58,15 @@ class GradNormLM(TinyLM):
 
 def fit(model: L.LightningModule, **options) -> L.Trainer:  # type: ignore[no-untyped-def]
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=FSDP2Strategy(**options), max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(**options),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     trainer.fit(model, token_loader(samples=8))
     return trainer
@@ -82,7 +89,12 @@ def test_grad_norm_in_the_hook_logs_the_single_device_values(trainer_env):
     logged = fit(sharded).callback_metrics
     trainer_env.fresh()
     single = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     single.fit(reference, token_loader(samples=8))

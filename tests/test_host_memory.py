@@ -15,8 +15,10 @@ from testkit.models import TinyLM, token_loader
 
 MiB = 2**20
 
-on_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None,
-                              reason="glibc's malloc with its dynamic mmap threshold")
+on_glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None,
+    reason="glibc's malloc with its dynamic mmap threshold",
+)
 
 
 def heap_with_holes() -> list[torch.Tensor]:
@@ -88,9 +90,18 @@ def test_the_strategy_hands_freed_memory_back_after_sharding_and_each_optimizer_
     trainer_env, tmp_path, mode, handed_back
 ):
     probe = Holes()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(host_memory=mode), max_steps=1,
-                        default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[probe])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(host_memory=mode),
+        max_steps=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
     trainer.fit(TinyLM(), token_loader(batch_size=4, samples=8))
     before_setup, after_setup, before_step, after_step = probe.rss
     assert (before_setup - after_setup >= 100 * MiB) is handed_back

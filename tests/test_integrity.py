@@ -63,13 +63,18 @@ SHARD = "__0_0.distcp"
 class ScheduledLM(TinyLM):
     """TinyLM with saved hyper-parameters and a StepLR: what a typical Lightning checkpoint carries."""
 
-    def __init__(self, n_layer: int = 2, lr: float = 1e-2, run_name: str = "integrity", betas: tuple = (0.9, 0.99)) -> None:
+    def __init__(
+        self, n_layer: int = 2, lr: float = 1e-2, run_name: str = "integrity", betas: tuple = (0.9, 0.99)
+    ) -> None:
         super().__init__(n_layer=n_layer, lr=lr)
         self.save_hyperparameters()
 
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+        }
 
 
 class Payload:
@@ -172,7 +177,9 @@ def test_a_truncated_shard_file(saved):
 def test_a_shard_path_outside_the_checkpoint_is_refused(saved):
     metadata = read_dcp_metadata(saved)
     (index,) = [index for index in metadata.storage_data if index.fqn == "model.scale"]
-    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path="../elsewhere.distcp")
+    metadata.storage_data[index] = dataclasses.replace(
+        metadata.storage_data[index], relative_path="../elsewhere.distcp"
+    )
     (saved / ".metadata").write_bytes(pickle.dumps(metadata))
     with expect(
         f"Checkpoint '{saved}' is damaged: '.metadata' points 'model.scale' to '../elsewhere.distcp', outside the"
@@ -221,7 +228,9 @@ def test_a_pickle_of_another_type_as_dcp_metadata(saved):
 def test_a_truncated_dcp_metadata(saved):
     data = (saved / ".metadata").read_bytes()
     (saved / ".metadata").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=re.escape(f"Checkpoint '{saved}' is damaged: '.metadata' is not a Distributed")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"Checkpoint '{saved}' is damaged: '.metadata' is not a Distributed")
+    ):
         verify_sharded_checkpoint(saved)
 
 
@@ -359,7 +368,15 @@ def test_hyper_parameters_are_saved_as_the_objects_themselves(saved):
 
 
 def test_paths_and_namespaces_load_without_registering_them(saved):
-    assert ACCEPTED_TYPES == (argparse.Namespace, PurePath, PurePosixPath, PureWindowsPath, Path, PosixPath, WindowsPath)
+    assert ACCEPTED_TYPES == (
+        argparse.Namespace,
+        PurePath,
+        PurePosixPath,
+        PureWindowsPath,
+        Path,
+        PosixPath,
+        WindowsPath,
+    )
     hyper_parameters = {
         "data_dir": Path("/data"),
         "relative": PurePosixPath("runs/a"),
@@ -395,7 +412,10 @@ def test_other_types_are_refused_by_default_naming_them_and_both_fixes(saved, tm
         load_trainer_state(saved)
 
     # Either fix loads the same objects: trusting the file, or registering the types with torch.
-    assert load_trainer_state(saved, weights_only=False)["hyper_parameters"] == {"config": TrainConfig(), "mode": Mode.FAST}
+    assert load_trainer_state(saved, weights_only=False)["hyper_parameters"] == {
+        "config": TrainConfig(),
+        "mode": Mode.FAST,
+    }
     with torch.serialization.safe_globals([TrainConfig, Mode, Span]):
         verify_sharded_checkpoint(saved)
         loaded = load_trainer_state(saved)["hyper_parameters"]
@@ -412,7 +432,9 @@ def test_a_type_torch_cannot_rebuild_even_when_registered_is_refused_with_the_tr
         load_trainer_state(saved)
     # The weights-only unpickler of torch 2.13 and 2.14 fills only plain dicts, OrderedDicts and Counters, whatever is
     # registered; torch 2.9 rebuilds a registered dict subclass.
-    start = f"Checkpoint '{saved}' is refused: 'meta.pt' holds objects that torch.load(weights_only=True) cannot rebuild ("
+    start = (
+        f"Checkpoint '{saved}' is refused: 'meta.pt' holds objects that torch.load(weights_only=True) cannot rebuild ("
+    )
     with torch.serialization.safe_globals([AttributeDict]):
         try:
             rebuilt = load_trainer_state(saved)["hyper_parameters"]
@@ -425,7 +447,9 @@ def test_a_type_torch_cannot_rebuild_even_when_registered_is_refused_with_the_tr
 
 def test_a_non_tensor_shard_entry_of_another_type_takes_the_same_fixes(tmp_path, single_rank_group):
     path = tmp_path / "ck"
-    dcp.save({"model": {"w": torch.ones(2)}, "optimizer_0": {"param_groups": [{"mode": Mode.FAST}]}}, checkpoint_id=path)
+    dcp.save(
+        {"model": {"w": torch.ones(2)}, "optimizer_0": {"param_groups": [{"mode": Mode.FAST}]}}, checkpoint_id=path
+    )
     save_trainer_state(path, {"epoch": 0})
     entry = "optimizer_0.param_groups.0.mode"
     with expect(refused_types(path, f"shard file '{SHARD}' holds '{entry}' with", f"{__name__}.Mode", "Mode")):
@@ -468,7 +492,9 @@ def local_function():
     ],
     ids=["lambda-hyper-parameter", "local-class-in-a-dataclass", "local-class-in-callback-state"],
 )
-def test_what_torch_save_cannot_pickle_is_refused_by_key_path_before_anything_is_written(tmp_path, state, where, kind, hint):
+def test_what_torch_save_cannot_pickle_is_refused_by_key_path_before_anything_is_written(
+    tmp_path, state, where, kind, hint
+):
     start = f"Cannot save the trainer state of checkpoint '{tmp_path}' to 'meta.pt': {where} is a {kind}, which torch.save cannot pickle ("
     with pytest.raises(TypeError, match=f"^{re.escape(start)}.+\\){re.escape('.' + hint)}$"):
         check_trainer_state(state, checkpoint=tmp_path)
@@ -495,7 +521,12 @@ def test_a_dtensor_in_the_trainer_state_is_refused_before_anything_is_written(tm
 class ConfiguredLM(TinyLM):
     """The module that wrote tests/data/meta_4b3e3e0.pt (fsdp-strategy at commit 4b3e3e0, before this change)."""
 
-    def __init__(self, data_dir: Path = Path("/data/tokens"), args=argparse.Namespace(seed=3), n_layer: int = 1) -> None:
+    def __init__(
+        self,
+        data_dir: Path = Path("/data/tokens"),
+        args=argparse.Namespace(seed=3),  # noqa: B008  (as the module that wrote the file had it)
+        n_layer: int = 1,
+    ) -> None:
         super().__init__(n_layer=n_layer)
         self.save_hyperparameters()
 

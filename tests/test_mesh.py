@@ -79,4 +79,3 @@ def test_build_device_mesh_on_one_rank_is_1d_with_the_shard_dim(single_rank_grou
     assert mesh.size() == 1
     assert mesh.device_type == "cpu"
     assert mesh.get_group(SHARD_DIM).size() == dist.get_world_size() == 1
-

@@ -31,23 +31,59 @@ from testkit.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
         ({"warmup_steps": 0}, ValueError, "`warmup_steps` must be a positive int; got 0."),
         ({"warmup_steps": 2.5}, TypeError, "`warmup_steps` must be a positive int; got 2.5 of type float."),
         ({"warmup_steps": True}, TypeError, "`warmup_steps` must be a positive int; got True of type bool."),
-        ({"batch_size_fn": 8}, TypeError, "`batch_size_fn` must be a callable batch -> int, or None; got 8 of type int."),
-        ({"tokens_fn": "numel"}, TypeError, "`tokens_fn` must be a callable batch -> int, or None; got 'numel' of type str."),
+        (
+            {"batch_size_fn": 8},
+            TypeError,
+            "`batch_size_fn` must be a callable batch -> int, or None; got 8 of type int.",
+        ),
+        (
+            {"tokens_fn": "numel"},
+            TypeError,
+            "`tokens_fn` must be a callable batch -> int, or None; got 'numel' of type str.",
+        ),
         ({"tokens_per_sample": 0}, ValueError, "`tokens_per_sample` must be a positive int or None; got 0."),
-        ({"tokens_per_sample": "64"}, TypeError, "`tokens_per_sample` must be a positive int or None; got '64' of type str."),
-        ({"tokens_fn": len, "tokens_per_sample": 64}, ValueError,
-         "Pass `tokens_fn` or `tokens_per_sample`, not both; got tokens_fn=<built-in function len> and tokens_per_sample=64."),
-        ({"peak_tflops": "312"}, TypeError,
-         "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got '312' of type str."),
-        ({"peak_tflops": True}, TypeError,
-         "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got True of type bool."),
-        ({"peak_tflops": 0.0}, ValueError, "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got 0.0."),
-        ({"peak_tflops": math.inf}, ValueError, "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got inf."),
+        (
+            {"tokens_per_sample": "64"},
+            TypeError,
+            "`tokens_per_sample` must be a positive int or None; got '64' of type str.",
+        ),
+        (
+            {"tokens_fn": len, "tokens_per_sample": 64},
+            ValueError,
+            "Pass `tokens_fn` or `tokens_per_sample`, not both; got tokens_fn=<built-in function len> and tokens_per_sample=64.",
+        ),
+        (
+            {"peak_tflops": "312"},
+            TypeError,
+            "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got '312' of type str.",
+        ),
+        (
+            {"peak_tflops": True},
+            TypeError,
+            "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got True of type bool.",
+        ),
+        (
+            {"peak_tflops": 0.0},
+            ValueError,
+            "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got 0.0.",
+        ),
+        (
+            {"peak_tflops": math.inf},
+            ValueError,
+            "`peak_tflops` must be a positive number (the device's peak TFLOP/s) or None; got inf.",
+        ),
         ({"count_flops": "yes"}, TypeError, "`count_flops` must be a bool; got 'yes' of type str."),
         ({"print_summary": 1}, TypeError, "`print_summary` must be a bool; got 1 of type int."),
-        ({"live_tensor_steps": -1}, ValueError, "`live_tensor_steps` must be an int >= 0 (0: do not count live tensors); got -1."),
-        ({"live_tensor_steps": 2.0}, TypeError,
-         "`live_tensor_steps` must be an int >= 0 (0: do not count live tensors); got 2.0 of type float."),
+        (
+            {"live_tensor_steps": -1},
+            ValueError,
+            "`live_tensor_steps` must be an int >= 0 (0: do not count live tensors); got -1.",
+        ),
+        (
+            {"live_tensor_steps": 2.0},
+            TypeError,
+            "`live_tensor_steps` must be an int >= 0 (0: do not count live tensors); got 2.0 of type float.",
+        ),
     ],
 )
 def test_bad_options_name_the_option_value_and_what_is_accepted(options, error, message):
@@ -131,8 +167,19 @@ def test_the_estimated_model_state_counts_offloaded_state_in_host_memory():
 
 def _row(**values: float) -> dict[str, float]:
     row = dict.fromkeys(
-        ("peak_rss_bytes", "rss_growth_bytes", "live_peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "model_state_bytes",
-         "samples", "tokens", "batches", "seconds", "flops_per_batch"),
+        (
+            "peak_rss_bytes",
+            "rss_growth_bytes",
+            "live_peak_bytes",
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "model_state_bytes",
+            "samples",
+            "tokens",
+            "batches",
+            "seconds",
+            "flops_per_batch",
+        ),
         math.nan,
     )
     return {**row, **values}
@@ -154,13 +201,32 @@ def test_summary_adds_ranks_together_over_the_slowest_rank():
     assert summary["max_model_state_bytes"] == 2**30
     assert summary["ranks"][1]["peak_allocated_bytes"] is None  # NaN (not measured) becomes None
 
-    table = format_summary({**summary, "strategy": "fsdp2", "device": "cpu", "precision": "32-true", "steps": 13,
-                            "warmup_steps": 3, "all_gather_bytes": 3 * 2**20, "reduce_scatter_bytes": 2**20,
-                            "all_reduce_bytes": 0.0, "sent_bytes": 2**21, "estimated_model_state_bytes": 2**30})
+    table = format_summary(
+        {
+            **summary,
+            "strategy": "fsdp2",
+            "device": "cpu",
+            "precision": "32-true",
+            "steps": 13,
+            "warmup_steps": 3,
+            "all_gather_bytes": 3 * 2**20,
+            "reduce_scatter_bytes": 2**20,
+            "all_reduce_bytes": 0.0,
+            "sent_bytes": 2**21,
+            "estimated_model_state_bytes": 2**30,
+        }
+    )
     lines = table.splitlines()
     assert lines[0].startswith("ShardingMonitor: fsdp2 | 2 x cpu | 32-true | 13 steps")
     assert [cell.strip() for cell in lines[1].split("|")] == [
-        "rank", "peak RSS", "RSS growth", "live peak", "model state", "samples/s", "tokens/s", "TFLOP/s"
+        "rank",
+        "peak RSS",
+        "RSS growth",
+        "live peak",
+        "model state",
+        "samples/s",
+        "tokens/s",
+        "TFLOP/s",
     ]
     assert lines[3].split("|")[1].strip() == "3.0 GiB" and lines[4].split("|")[1].strip() == "2.0 GiB"
     assert "MFU 15.0% of 100.0 TFLOP/s peak" in table
@@ -182,8 +248,17 @@ def test_summary_without_a_timed_window_or_a_peak_says_not_available():
 def tiny_lm_adamw_state_bytes() -> int:
     """What one rank holds of TinyLM under fp32 AdamW after a step, from its architecture: parameters,
     gradients and AdamW's two moments, 4 bytes an element each, plus a 4-byte step counter per tensor."""
-    block = [(WIDTH,), (WIDTH,), (WIDTH, WIDTH), (WIDTH,), (WIDTH, WIDTH), (2 * WIDTH, WIDTH), (2 * WIDTH,),
-             (WIDTH, 2 * WIDTH), (WIDTH,)]  # norm, attn_q, attn_k (no bias), mlp
+    block = [
+        (WIDTH,),
+        (WIDTH,),
+        (WIDTH, WIDTH),
+        (WIDTH,),
+        (WIDTH, WIDTH),
+        (2 * WIDTH, WIDTH),
+        (2 * WIDTH,),
+        (WIDTH, 2 * WIDTH),
+        (WIDTH,),
+    ]  # norm, attn_q, attn_k (no bias), mlp
     shapes = [(VOCAB, WIDTH), *block * 3, (WIDTH,), (WIDTH,), (WIDTH,)]  # embedding = head, blocks, norm, scale
     elements = sum(math.prod(shape) for shape in shapes)
     assert elements == sum(p.numel() for p in TinyLM().parameters())  # the architecture as counted here
@@ -248,8 +323,14 @@ def test_fsdp2_fit_summary_logs_and_flops_match_measure_flops(trainer_env, tmp_p
 
 
 def test_single_device_fit_with_counters_given_and_flops_off(trainer_env, tmp_path, capsys):
-    monitor = ShardingMonitor(warmup_steps=1, batch_size_fn=lambda batch: 2 * len(batch[0]), tokens_per_sample=3,
-                              count_flops=False, print_summary=False, live_tensor_steps=0)
+    monitor = ShardingMonitor(
+        warmup_steps=1,
+        batch_size_fn=lambda batch: 2 * len(batch[0]),
+        tokens_per_sample=3,
+        count_flops=False,
+        print_summary=False,
+        live_tensor_steps=0,
+    )
     _fit(tmp_path, monitor, strategy="auto", max_steps=3)
     summary = monitor.summary
     assert summary["strategy"] == "single_device" and summary["flops_per_batch"] is None
@@ -263,7 +344,9 @@ def test_single_device_fit_with_counters_given_and_flops_off(trainer_env, tmp_pa
 
 def test_a_batch_size_fn_returning_a_non_int_is_named(trainer_env, tmp_path):
     monitor = ShardingMonitor(batch_size_fn=lambda batch: 4.0)
-    with pytest.raises(TypeError, match=re.escape("`batch_size_fn` must return an int; it returned 4.0 of type float.")):
+    with pytest.raises(
+        TypeError, match=re.escape("`batch_size_fn` must return an int; it returned 4.0 of type float.")
+    ):
         _fit(tmp_path, monitor, strategy="auto", max_steps=1)
 
 

@@ -30,7 +30,9 @@ DEFAULTS = dict(
 def test_plain_values_become_the_forms_the_strategy_uses(tmp_path):
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"x")
-    options = check_options(**{**DEFAULTS, "replicate_size": 2, "timeout": 90, "init_weights": str(weights), "wrap_policy": ["Block"]})
+    options = check_options(
+        **{**DEFAULTS, "replicate_size": 2, "timeout": 90, "init_weights": str(weights), "wrap_policy": ["Block"]}
+    )
     assert options.hybrid is True  # a replicate size above 1 means hybrid sharding
     assert options.timeout == timedelta(seconds=90)
     assert options.init_weights == Path(weights)
@@ -47,8 +49,14 @@ _WRITES = {"auto": "file", "full": "file", "sharded": "directory"}
 @pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)
 def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_type):
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=FSDP2Strategy(state_dict_type=state_dict_type), max_steps=1,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(state_dict_type=state_dict_type),
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(TinyLM(n_layer=1), token_loader(samples=8))
@@ -57,7 +65,11 @@ def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_
     assert ("file" if path.is_file() else "directory" if path.is_dir() else None) == _WRITES[state_dict_type]
     # What was written is a checkpoint of this step in that form (resuming from each form: test_trainer_smoke.py).
     assert verify.looks_like_sharded_checkpoint(path) == (_WRITES[state_dict_type] == "directory")
-    step = load_trainer_state(path)["global_step"] if path.is_dir() else torch.load(path, weights_only=False)["global_step"]
+    step = (
+        load_trainer_state(path)["global_step"]
+        if path.is_dir()
+        else torch.load(path, weights_only=False)["global_step"]
+    )
     assert step == 1
 
 

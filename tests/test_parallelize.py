@@ -131,7 +131,9 @@ def test_modules_the_user_already_sharded_are_left_alone(mesh):
     names = [unit.name for unit in units]
     assert not [name for name in names if name == "blocks.0" or name.startswith("blocks.0.")]
     assert "blocks.1" in names and any("blocks.1.norm" in unit.names for unit in units)
-    apply_fully_shard(model, units, mesh, root_mp_policy=BF16, offload_policy=OffloadPolicy(), reshard_after_forward=True)
+    apply_fully_shard(
+        model, units, mesh, root_mp_policy=BF16, offload_policy=OffloadPolicy(), reshard_after_forward=True
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the bf16-mixed precision plugin runs it
         loss = model.training_step(batch(), 0)
     loss.backward()
@@ -198,7 +200,9 @@ def test_step_methods_defined_by_the_user_are_routed_through_fsdp(mesh):
     loss = model.training_step(torch.ones(2, 4), 0)  # gain is a sharded DTensor outside forward() otherwise
     loss.backward()
     if not unused.supported():  # torch < 2.13 reduced the root when forward's input got its gradient, before gain's
-        with pytest.raises(RuntimeError, match=r"^The gradients of 'gain' arrived after their unit's gradients were reduced"):
+        with pytest.raises(
+            RuntimeError, match=r"^The gradients of 'gain' arrived after their unit's gradients were reduced"
+        ):
             tracker.after_backward()
         return
     tracker.after_backward()
@@ -243,12 +247,16 @@ def test_a_sharded_module_loads_a_plain_full_state_dict_as_under_ddp(mesh):
     state = source.state_dict()
     before = {k: v.clone() for k, v in state.items()}
 
-    model.blocks[0].load_state_dict({k.removeprefix("blocks.0."): v for k, v in state.items() if k.startswith("blocks.0.")})
+    model.blocks[0].load_state_dict(
+        {k.removeprefix("blocks.0."): v for k, v in state.items() if k.startswith("blocks.0.")}
+    )
     model.load_state_dict(state)
 
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and torch.equal(full(param), state[name]), name
-    assert all(torch.equal(state[k], before[k]) and not isinstance(state[k], DTensor) for k in state)  # caller's dict untouched
+    assert all(
+        torch.equal(state[k], before[k]) and not isinstance(state[k], DTensor) for k in state
+    )  # caller's dict untouched
     for handle in handles:
         handle.remove()
     try:
@@ -257,4 +265,3 @@ def test_a_sharded_module_loads_a_plain_full_state_dict_as_under_ddp(mesh):
         assert "DTensor" in str(error)
     else:
         raise AssertionError("a plain state dict loaded into DTensor parameters without the hooks")
-

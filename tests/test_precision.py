@@ -23,16 +23,29 @@ from fsdp_strategy.sharding.precision import (
 from testkit.models import TinyLM, token_loader
 
 # What each precision keeps the trained parameters in: fp32 for full and mixed precision, the low dtype for "-true".
-_PARAMETER_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.float32, "16-mixed": torch.float32,
-                    "bf16-true": torch.bfloat16, "16-true": torch.float16}
+_PARAMETER_DTYPE = {
+    "32-true": torch.float32,
+    "bf16-mixed": torch.float32,
+    "16-mixed": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
 
 
 @pytest.mark.parametrize("precision", SUPPORTED_PRECISIONS)
 def test_each_listed_precision_trains_a_step_and_an_unlisted_one_is_refused(trainer_env, precision):
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="fsdp2", precision=precision, max_steps=1, limit_val_batches=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy="fsdp2",
+        precision=precision,
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     with trainer.init_module():  # "-true" precisions build the module in their dtype
         # SGD: AdamW's eps of 1e-8 is 0 in fp16, and a zero second moment then divides by zero under "16-true" (as

@@ -41,7 +41,9 @@ def test_ranks_that_never_join_are_named_with_their_node() -> None:
 
 def test_the_roster_returns_every_member_once_all_have_joined() -> None:
     store = dist.HashStore()
-    late = threading.Timer(0.3, lambda: store.set("member/1", '{"rank": 1, "node_rank": 1, "local_rank": 0, "host": "b", "pid": 7}'))
+    late = threading.Timer(
+        0.3, lambda: store.set("member/1", '{"rank": 1, "node_rank": 1, "local_rank": 0, "host": "b", "pid": 7}')
+    )
     late.start()
     members = rendezvous._wait_for_roster(store, _member(0, 0), 2, 1, timedelta(seconds=10))
     assert members == {0: _member(0, 0), 1: Member(rank=1, node_rank=1, local_rank=0, host="b", pid=7)}
@@ -90,7 +92,9 @@ def test_a_peer_without_heartbeat_is_reported_lost_with_its_node(diagnoses) -> N
 
 
 def test_without_heartbeats_the_diagnosis_says_it_cannot_tell() -> None:
-    assert _membership(dist.HashStore()).diagnose() == "The heartbeats were not running, so the lost rank cannot be told."
+    assert (
+        _membership(dist.HashStore()).diagnose() == "The heartbeats were not running, so the lost rank cannot be told."
+    )
 
 
 def test_live_peers_are_told_apart_by_their_global_step(diagnoses) -> None:
@@ -122,12 +126,16 @@ def test_an_unreachable_store_names_its_address_and_what_to_check() -> None:
     with pytest.raises(PeerLostError) as error:
         rendezvous._connect("127.0.0.1", port, _member(1, 1), 2, timedelta(seconds=1), host=False, agent_store=False)
     assert re.fullmatch(
-        re.escape(f"rank 1 (node 1, local rank 1, host host-a, pid 101) could not reach the rendezvous store of rank 0"
-                  f" (node 0) at 127.0.0.1:{port} within 1 s (")
+        re.escape(
+            f"rank 1 (node 1, local rank 1, host host-a, pid 101) could not reach the rendezvous store of rank 0"
+            f" (node 0) at 127.0.0.1:{port} within 1 s ("
+        )
         + r"\w+"
-        + re.escape("). Rank 0 has not started, has died, or MASTER_ADDR/MASTER_PORT differ between nodes. Start"
-                    " every node with the same address and port; raise the strategy's `timeout` if nodes start far"
-                    " apart."),
+        + re.escape(
+            "). Rank 0 has not started, has died, or MASTER_ADDR/MASTER_PORT differ between nodes. Start"
+            " every node with the same address and port; raise the strategy's `timeout` if nodes start far"
+            " apart."
+        ),
         str(error.value),
     )
 
@@ -174,6 +182,6 @@ def test_heartbeat_interval_is_a_small_part_of_the_timeout() -> None:
 def test_advice_depends_on_whether_torchrun_will_restart(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    assert rendezvous.advice().startswith("torchrun will restart the job; `trainer.fit(..., ckpt_path=\"last\")`")
+    assert rendezvous.advice().startswith('torchrun will restart the job; `trainer.fit(..., ckpt_path="last")`')
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert rendezvous.advice().startswith("Restart the job: with `torchrun --max-restarts N`")

@@ -114,9 +114,13 @@ def test_a_full_file_that_fails_to_write_leaves_no_staging_and_the_older_file_in
 
 def _mount_tmpfs(directory: Path, size: str) -> None:
     directory.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True
+    )
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}); needs root or CAP_SYS_ADMIN")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}); needs root or CAP_SYS_ADMIN"
+        )
 
 
 def test_a_full_disk_is_recognized_by_its_free_space_when_the_os_error_is_lost(tmp_path):
@@ -235,16 +239,27 @@ def test_a_snapshot_copies_the_tensors_training_changes_in_place(mesh):
         "callbacks": {"ModelCheckpoint": {"best_model_score": torch.tensor(1.0)}},
     }
     # On one rank a "full" optimizer state (and, from torch 2.13 on, a full model entry) is the live tensor itself.
-    entries = [*checkpoint["state_dict"].values(), *(v for s in checkpoint["optimizer_states"][0]["state"].values() for v in s.values())]
-    assert sum(background._storage(t) in live for t in entries if torch.is_tensor(t)) >= len(checkpoint["optimizer_states"][0]["state"])
+    entries = [
+        *checkpoint["state_dict"].values(),
+        *(v for s in checkpoint["optimizer_states"][0]["state"].values() for v in s.values()),
+    ]
+    assert sum(background._storage(t) in live for t in entries if torch.is_tensor(t)) >= len(
+        checkpoint["optimizer_states"][0]["state"]
+    )
 
     frozen = background.snapshot(checkpoint, live)
     train_step(model, optimizer, batch_idx=1)
 
-    tensors = [*frozen["state_dict"].values(), *(v for s in frozen["optimizer_states"][0]["state"].values() for v in s.values())]
+    tensors = [
+        *frozen["state_dict"].values(),
+        *(v for s in frozen["optimizer_states"][0]["state"].values() for v in s.values()),
+    ]
     assert not any(background._storage(t) in live for t in tensors)
     assert frozen["state_dict"]["fresh"] is fresh  # not live: no copy
-    assert frozen["callbacks"]["ModelCheckpoint"]["best_model_score"] is not checkpoint["callbacks"]["ModelCheckpoint"]["best_model_score"]
+    assert (
+        frozen["callbacks"]["ModelCheckpoint"]["best_model_score"]
+        is not checkpoint["callbacks"]["ModelCheckpoint"]["best_model_score"]
+    )
     assert not torch.equal(frozen["state_dict"]["blocks.0.attn_q.weight"], full(model.blocks[0].attn_q.weight))
     assert all(state["step"].item() == 1 for state in frozen["optimizer_states"][0]["state"].values())
 
@@ -331,7 +346,13 @@ def test_an_async_full_save_holds_its_steps_state_while_training_goes_on(trainer
 
     saves = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)
     strategy = FSDP2Strategy(state_dict_type="full", async_save=True)
-    run = trainer(tmp_path, strategy=strategy, max_steps=4, callbacks=[AtSteps({2: record, 3: lambda m: gate.set()}), saves], enable_checkpointing=True)
+    run = trainer(
+        tmp_path,
+        strategy=strategy,
+        max_steps=4,
+        callbacks=[AtSteps({2: record, 3: lambda m: gate.set()}), saves],
+        enable_checkpointing=True,
+    )
     try:
         run.fit(TinyLM(), token_loader(batch_size=4, samples=16))
     finally:
@@ -353,7 +374,13 @@ def test_a_last_background_save_that_fails_is_raised_and_the_stage_still_lets_go
     disk = Disk(directory, room=0).install()
     saves = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)
     strategy = FSDP2Strategy(state_dict_type="sharded", async_save=True)
-    run = trainer(tmp_path, strategy=strategy, max_steps=2, callbacks=[AtSteps({1: lambda m: disk.arm()}), saves], enable_checkpointing=True)
+    run = trainer(
+        tmp_path,
+        strategy=strategy,
+        max_steps=2,
+        callbacks=[AtSteps({1: lambda m: disk.arm()}), saves],
+        enable_checkpointing=True,
+    )
     try:
         with pytest.raises(CheckpointSaveError, match="no space left on device"):
             run.fit(TinyLM(), token_loader(batch_size=4, samples=16))
@@ -407,6 +434,8 @@ def test_lightnings_async_checkpoint_io_is_named_with_the_strategys_own_backgrou
 
     with pytest.raises(ValueError, match=re.escape("For background saves of shards, use `async_save=True` instead.")):
         saving.check_checkpoint_io(AsyncCheckpointIO(), sharded=True, async_save=False, strategy="FSDP2Strategy")
-    with pytest.raises(ValueError, match=re.escape("Pass `async_save=False`; AsyncCheckpointIO saves in the background itself.")):
+    with pytest.raises(
+        ValueError, match=re.escape("Pass `async_save=False`; AsyncCheckpointIO saves in the background itself.")
+    ):
         saving.check_checkpoint_io(AsyncCheckpointIO(), sharded=False, async_save=True, strategy="FSDP2Strategy")
     saving.check_checkpoint_io(AsyncCheckpointIO(), sharded=False, async_save=False, strategy="FSDP2Strategy")

@@ -70,7 +70,9 @@ def test_urls_are_told_from_local_paths() -> None:
     assert storage.location("s3://bucket/x.ckpt") == "s3://bucket/x.ckpt"
 
 
-@pytest.mark.parametrize(("kind", "async_save"), [("sharded", False), ("full", False), ("sharded", True), ("full", True)])
+@pytest.mark.parametrize(
+    ("kind", "async_save"), [("sharded", False), ("full", False), ("sharded", True), ("full", True)]
+)
 def test_top_k_and_last_on_a_url_resume_from_last_and_leave_one_shard_prefix_per_checkpoint(
     trainer_env, memory_dir, kind, async_save
 ):
@@ -88,10 +90,16 @@ def test_top_k_and_last_on_a_url_resume_from_last_and_leave_one_shard_prefix_per
     resumed = fit(memory_dir, steps=8, kind=kind, ckpt_path="last", async_save=async_save)
     assert resumed.ckpt_path == f"{memory_dir}/last.ckpt"
     assert resumed.global_step == 8
-    assert [n for n in listing(memory_dir) if not n.startswith(".")] == ["epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert [n for n in listing(memory_dir) if not n.startswith(".")] == [
+        "epoch=1-step=6.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
 
 
-def test_a_remote_checkpoint_is_checked_loaded_consolidated_and_exported_through_its_manifest(trainer_env, memory_dir, tmp_path):
+def test_a_remote_checkpoint_is_checked_loaded_consolidated_and_exported_through_its_manifest(
+    trainer_env, memory_dir, tmp_path
+):
     trainer = fit(memory_dir, steps=2, kind="sharded")
     url = f"{memory_dir}/last.ckpt"
     manifest = storage.read_manifest(url)

@@ -224,7 +224,10 @@ def test_process_group_backend_is_exposed():
         ("fsdp2", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False)),
         ("fsdp2_grad_op", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=False, cpu_offload=False)),
         ("fsdp2_hybrid", ShardingPlan(mesh_shape=(2, 2), reshard_after_forward=True, cpu_offload=False)),
-        ("fsdp2_find_unused_parameters_true", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False)),
+        (
+            "fsdp2_find_unused_parameters_true",
+            ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False),
+        ),
     ],
 )
 def test_each_registered_name_builds_the_strategy_it_promises(name, plan):
@@ -288,7 +291,7 @@ def test_device_mesh_before_setup_explains_when_it_exists():
         " `LightningModule.configure_model()`, not before the processes have started."
     )
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        FSDP2Strategy().device_mesh
+        _ = FSDP2Strategy().device_mesh
 
 
 def test_sharded_save_checkpoint_rejects_storage_options_and_names_the_fix():
@@ -325,7 +328,9 @@ def test_trainer_precision_becomes_the_strategy_plugin_and_policy(precision, plu
 
 
 def test_unsupported_trainer_precision_is_rejected_at_trainer_construction():
-    message = f"FSDP2Strategy does not support `Trainer(precision='64-true')` (DoublePrecision). Choose one of: {SUPPORTED}."
+    message = (
+        f"FSDP2Strategy does not support `Trainer(precision='64-true')` (DoublePrecision). Choose one of: {SUPPORTED}."
+    )
     with pytest.raises(ValueError, match=re.escape(message)):
         cpu_trainer(strategy="fsdp2", precision="64-true")
 

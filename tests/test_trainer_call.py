@@ -26,7 +26,7 @@ class Config:
 
 
 class ConfiguredLM(TinyLM):
-    def __init__(self, config: Config = Config()) -> None:
+    def __init__(self, config: Config = Config()) -> None:  # noqa: B008  (a config-object default, as users write it)
         super().__init__(n_layer=1)
         self.save_hyperparameters()
 
@@ -52,7 +52,9 @@ def test_weights_only_given_to_the_trainer_call_reaches_the_sharded_load(trainer
     first.save_checkpoint(tmp_path / "ck")
 
     trainer_env.fresh()
-    with pytest.raises(CheckpointError, match=r"'meta.pt' holds objects of types that are only loaded from a trusted file: "):
+    with pytest.raises(
+        CheckpointError, match=r"'meta.pt' holds objects of types that are only loaded from a trusted file: "
+    ):
         trainer(4).fit(ConfiguredLM(), token_loader(samples=16), ckpt_path=tmp_path / "ck")
     trainer_env.fresh()
     with pytest.raises(CheckpointError, match="add_safe_globals"):

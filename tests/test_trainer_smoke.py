@@ -298,7 +298,11 @@ def test_model_checkpoint_top_k_and_last_manage_checkpoint_directories(trainer_e
         dirpath=directory, monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=True
     )
     run = trainer(
-        tmp_path, max_steps=5, callbacks=[checkpoints], enable_checkpointing=True, strategy=FSDP2Strategy(state_dict_type="sharded")
+        tmp_path,
+        max_steps=5,
+        callbacks=[checkpoints],
+        enable_checkpointing=True,
+        strategy=FSDP2Strategy(state_dict_type="sharded"),
     )
     run.fit(TinyLM(), loader())
     kept = sorted(p.name for p in directory.iterdir())

@@ -63,7 +63,16 @@ def test_the_digest_follows_which_units_ran_how_often_and_in_what_order(mesh) ->
     order = UnitOrder(model)
     assert order.names == ["blocks.0", "blocks.1", "experts.0", "experts.1", "experts.2"]  # the root is not a unit here
     assert digest_after(order, model, [0, 1]) == digest_after(order, model, [0, 1])
-    runs = ([[0, 1]], [[1, 0]], [[0]], [[0, 0]], [[0], [1]], [[0, 1], []], [[2, 1]], [[]])  # each forward: blocks, then experts
+    runs = (
+        [[0, 1]],
+        [[1, 0]],
+        [[0]],
+        [[0, 0]],
+        [[0], [1]],
+        [[0, 1], []],
+        [[2, 1]],
+        [[]],
+    )  # each forward: blocks, then experts
     assert len({digest_after(order, model, *routes) for routes in runs}) == len(runs)
     assert digest_after(order, model) == 0  # nothing ran
 

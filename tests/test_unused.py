@@ -55,7 +55,9 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-needs_zeros = pytest.mark.skipif(not supported(), reason="torch < 2.13 cannot reduce-scatter zeros for unused parameters")
+needs_zeros = pytest.mark.skipif(
+    not supported(), reason="torch < 2.13 cannot reduce-scatter zeros for unused parameters"
+)
 
 
 def test_a_parameter_no_rank_used_keeps_no_gradient(mesh) -> None:
@@ -133,11 +135,20 @@ def test_idle_experts_in_a_trainer_get_no_gradient_and_no_update(trainer_env) ->
             seen.append({name: p.grad is not None for name, p in pl_module.named_parameters() if ".experts." in name})
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="fsdp2", max_steps=4, limit_val_batches=0, use_distributed_sampler=False,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy="fsdp2",
+        max_steps=4,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[Grads()],
     )
     trainer.fit(model, token_loader("moe", rank=0, batch_size=2, batches=4))
+
     # Rank 0's data never route a token to expert 2.
     def expert_params(*experts: int) -> list[str]:
         layers = [f"{layer}.{kind}" for layer in ("up", "down") for kind in ("weight", "bias")]
@@ -153,9 +164,18 @@ def test_mixed_precision_accumulation_names_the_option_that_works(trainer_env) -
     def fit(**options) -> None:  # type: ignore[no-untyped-def]
         L.seed_everything(0)
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, strategy=FSDP2Strategy(**options), precision="bf16-mixed", max_steps=2,
-            accumulate_grad_batches=2, limit_val_batches=0, use_distributed_sampler=False, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=1,
+            strategy=FSDP2Strategy(**options),
+            precision="bf16-mixed",
+            max_steps=2,
+            accumulate_grad_batches=2,
+            limit_val_batches=0,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(TinyMoE(), token_loader("moe", rank=0, batch_size=2, batches=4))
 

@@ -32,7 +32,9 @@ SAVE_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException is a
 def live_storages(module: nn.Module, optimizers: Iterable[Optimizer]) -> set[int]:
     """The storages that training changes in place: parameters, buffers and optimizer state (local shards)."""
     tensors = [*module.parameters(), *module.buffers()]
-    tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += [
+        v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
     return {_storage(t) for t in tensors}
 
 

@@ -121,7 +121,12 @@ def gather_dtensors(value: Any, *, keep: bool) -> Any:
 
 
 def read_sharded(
-    path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool, weights_only: bool = True, whole: bool = True
+    path: Path | str | storage.CheckpointFiles,
+    model: nn.Module,
+    *,
+    strict: bool,
+    weights_only: bool = True,
+    whole: bool = True,
 ) -> dict[str, Any]:
     """The trainer state of a sharded checkpoint, and with ``whole`` its model-shaped entries too, as a single-file
     checkpoint holds them: the module's under ``"state_dict"``, loaded in place into ``model``'s own tensors (its
@@ -255,7 +260,11 @@ def check_full_state_dict(model: nn.Module, state_dict: dict[str, Any], *, stric
     """Raises :class:`~fsdp_strategy.checkpoint.errors.CheckpointError` naming the file when the weights of a
     single-file checkpoint do not fit ``model`` (plain or sharded; global shapes)."""
     compare_keys(
-        state_dict_shapes(_state_dict(model)), state_dict_shapes(state_dict), checkpoint=path, strict=strict, file=_file_name(path)
+        state_dict_shapes(_state_dict(model)),
+        state_dict_shapes(state_dict),
+        checkpoint=path,
+        strict=strict,
+        file=_file_name(path),
     )
 
 

@@ -88,7 +88,9 @@ class CheckpointManager:
         """Decides the format for the stage's model (once per strategy) and checks the ``CheckpointIO`` plugin."""
         if self.format is None:
             self.format = self._choose_format(model)
-        saving.check_checkpoint_io(self.strategy.checkpoint_io, sharded=self.sharded, async_save=self.async_save, strategy=self.name)
+        saving.check_checkpoint_io(
+            self.strategy.checkpoint_io, sharded=self.sharded, async_save=self.async_save, strategy=self.name
+        )
 
     def _choose_format(self, model: nn.Module) -> CheckpointFormat:
         if self.state_dict_type != StateDictType.AUTO:
@@ -119,7 +121,9 @@ class CheckpointManager:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         assert self.strategy.model is not None
-        return ckpt.optimizer_state(self.strategy.model, optimizer, full=not self.sharded, keep=self.strategy.is_global_zero)
+        return ckpt.optimizer_state(
+            self.strategy.model, optimizer, full=not self.sharded, keep=self.strategy.is_global_zero
+        )
 
     def save(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
         """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
@@ -144,10 +148,19 @@ class CheckpointManager:
             saving.remove_stale_staging(storage.parent(path) if isinstance(path, str) else path.parent)
         in_background = self.saves if self.async_save else None
         if sharded:
-            saving.save_sharded(checkpoint, path, token, rank=strategy.global_rank, background=in_background, group=self._background_group)
+            saving.save_sharded(
+                checkpoint,
+                path,
+                token,
+                rank=strategy.global_rank,
+                background=in_background,
+                group=self._background_group,
+            )
         elif storage_options is not None or not saving.is_default_checkpoint_io(strategy.checkpoint_io):
             # The plugin writes the file as under DDP (Lightning's TorchCheckpointIO refuses `storage_options`).
-            saving.save_through(strategy.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=strategy.global_rank)
+            saving.save_through(
+                strategy.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=strategy.global_rank
+            )
         else:
             live = lambda: background.live_storages(strategy.model, plain_optimizers(strategy.optimizers))  # noqa: E731
             saving.save_full(checkpoint, path, token, rank=strategy.global_rank, background=in_background, live=live)
@@ -163,7 +176,9 @@ class CheckpointManager:
         """Blocks until a background save has finished; if it failed on any rank, raises its error on every rank."""
         outcome = self.saves.wait()
         if outcome is not None:
-            saving.settle(outcome.error, checkpoint=outcome.checkpoint, staging=outcome.staging, rank=self.strategy.global_rank)
+            saving.settle(
+                outcome.error, checkpoint=outcome.checkpoint, staging=outcome.staging, rank=self.strategy.global_rank
+            )
 
     def remove(self, filepath: str | os.PathLike) -> None:
         if self.strategy.is_global_zero:
@@ -206,10 +221,14 @@ class CheckpointManager:
                 return str(files.source)
 
             # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
-            source = strategy.broadcast(on_rank_zero(check, CheckpointError, strategy.is_global_zero, strategy.broadcast))
+            source = strategy.broadcast(
+                on_rank_zero(check, CheckpointError, strategy.is_global_zero, strategy.broadcast)
+            )
             self.restore.files = storage.files_at(source, name=path)
             whole = not has_meta_tensors(module)
-            return ckpt.read_sharded(self.restore.files, module, strict=module.strict_loading, weights_only=not trusted, whole=whole)
+            return ckpt.read_sharded(
+                self.restore.files, module, strict=module.strict_loading, weights_only=not trusted, whole=whole
+            )
         if saving.is_default_checkpoint_io(strategy.checkpoint_io):
             return ckpt.read_full_checkpoint(path, weights_only=weights_only)
         source = checkpoint_path if storage.location(checkpoint_path) == path else path

@@ -29,7 +29,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 __all__ = [
-    "full_state", "load_full_state", "load_sharded_template", "parameter_names", "read_param_groups", "sharded_state", "unflatten",
+    "full_state",
+    "load_full_state",
+    "load_sharded_template",
+    "parameter_names",
+    "read_param_groups",
+    "sharded_state",
+    "unflatten",
 ]
 
 
@@ -134,7 +140,9 @@ def load_sharded_template(metadata: Metadata, prefix: str, model: nn.Module, opt
         if isinstance(param, DTensor) and tuple(item.size) == tuple(param.shape):
             template[key] = torch.empty_like(param, dtype=dtype)
         else:
-            device = param.to_local().device if isinstance(param, DTensor) else param.device if param is not None else "cpu"
+            device = (
+                param.to_local().device if isinstance(param, DTensor) else param.device if param is not None else "cpu"
+            )
             template[key] = torch.empty(item.size, dtype=dtype, device=device)
     return template
 

@@ -93,7 +93,9 @@ class OpenedCheckpoint:
         for key in keys:
             if not isinstance(index[key], BytesStorageMetadata):
                 kind = type(index[key]).__name__
-                raise ValueError(f"cannot read {self.source}: entry {key!r} is stored as {kind}, which is not supported")
+                raise ValueError(
+                    f"cannot read {self.source}: entry {key!r} is stored as {kind}, which is not supported"
+                )
         if not keys:
             return {}
         try:

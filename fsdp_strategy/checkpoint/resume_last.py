@@ -36,7 +36,9 @@ def find_last(callbacks: Iterable[Any]) -> str | None:
         return None
     found: dict[str, float] = {}
     for callback in checkpointers:
-        pattern = re.compile(rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(callback.FILE_EXTENSION)}$")
+        pattern = re.compile(
+            rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(callback.FILE_EXTENSION)}$"
+        )
         found.update(_candidates(str(callback.dirpath), pattern))
     return max(found, key=found.__getitem__) if found else None
 
@@ -64,7 +66,9 @@ def _candidates(directory: str, pattern: re.Pattern[str]) -> dict[str, float]:
     return result
 
 
-def resolve_ckpt_path(function: Callable[..., Any], args: tuple, kwargs: dict, callbacks: Iterable[Any]) -> tuple[tuple, dict]:
+def resolve_ckpt_path(
+    function: Callable[..., Any], args: tuple, kwargs: dict, callbacks: Iterable[Any]
+) -> tuple[tuple, dict]:
     """``args``/``kwargs`` of a Trainer call with ``ckpt_path="last"`` replaced by the URL :func:`find_last` found."""
     try:
         bound = inspect.signature(function).bind(*args, **kwargs)

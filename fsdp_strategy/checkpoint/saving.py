@@ -125,7 +125,9 @@ def remove_stale_staging(directory: Path | str) -> list[Path | str]:
         except FileNotFoundError:  # removed meanwhile, e.g. by the job that wrote it
             continue
         except OSError as error:
-            warnings.warn(f"Could not remove the staging entry '{entry}' that an earlier save left: {error}.", stacklevel=2)
+            warnings.warn(
+                f"Could not remove the staging entry '{entry}' that an earlier save left: {error}.", stacklevel=2
+            )
     _warn_unknown(directory, [e.name for e in unknown])
     return removed
 
@@ -170,7 +172,10 @@ def _remove_stale_remote(directory: str) -> list[Path | str]:
             continue
         url = storage.join(directory, name)
         try:
-            stamps = [info.get("LastModified") or info.get("mtime") or info.get("created") for info in fs.find(storage.filesystem(url)[1], detail=True).values()]
+            stamps = [
+                info.get("LastModified") or info.get("mtime") or info.get("created")
+                for info in fs.find(storage.filesystem(url)[1], detail=True).values()
+            ]
             newest = max((_timestamp(stamp) for stamp in stamps if stamp is not None), default=0.0)
             if newest >= _PROCESS_START:
                 continue
@@ -181,7 +186,9 @@ def _remove_stale_remote(directory: str) -> list[Path | str]:
                 storage.remove_data(url)
                 removed.append(url)
         except (OSError, ValueError) as error:
-            warnings.warn(f"Could not remove the staging entry '{url}' that an earlier save left: {error}.", stacklevel=2)
+            warnings.warn(
+                f"Could not remove the staging entry '{url}' that an earlier save left: {error}.", stacklevel=2
+            )
     _warn_unknown(directory, unknown)
     return removed
 
@@ -283,12 +290,17 @@ def settle(
         raise error
     message, code = failures[0]
     suffix = "" if plugin else " The earlier checkpoints are intact; the partial files of this attempt were removed."
-    raise CheckpointSaveError(f"Could not save checkpoint '{checkpoint}': {message}.{suffix}", checkpoint=checkpoint, errno=code) from error
+    raise CheckpointSaveError(
+        f"Could not save checkpoint '{checkpoint}': {message}.{suffix}", checkpoint=checkpoint, errno=code
+    ) from error
 
 
 def _report(error: BaseException, *, checkpoint: Path | str, rank: int, plugin: str | None) -> tuple[str, int | None]:
     if plugin is not None:
-        return f"the CheckpointIO plugin {plugin} raised {type(error).__name__} on rank {rank}: {_first_line(error)}", None
+        return (
+            f"the CheckpointIO plugin {plugin} raised {type(error).__name__} on rank {rank}: {_first_line(error)}",
+            None,
+        )
     return describe_failure(error, checkpoint=checkpoint, rank=rank)
 
 
@@ -348,7 +360,11 @@ def save_sharded(
     # Tensors are copied to host memory before async_save returns, and the trainer state is pickled
     # already (the bytes written to meta.pt); training may change both after.
     future = dcp.async_save(tensors, storage_writer=writing.shard_writer(staging), process_group=group())
-    finish = (lambda: (write_trainer_state(staging, trainer_state_data), writing.publish(staging, path))) if rank == 0 else None
+    finish = (
+        (lambda: (write_trainer_state(staging, trainer_state_data), writing.publish(staging, path)))
+        if rank == 0
+        else None
+    )
     background.submit(future, checkpoint=path, staging=staging, then=finish)
 
 
@@ -382,7 +398,13 @@ def save_full(
 
 
 def save_through(
-    plugin: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, *, path: Path | str, rank: int
+    plugin: CheckpointIO,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any,
+    *,
+    path: Path | str,
+    rank: int,
 ) -> None:
     """Rank 0 hands the checkpoint to a ``CheckpointIO`` plugin, as DDP does; every rank settles the outcome."""
     save = lambda: plugin.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
@@ -407,9 +429,13 @@ def check_checkpoint_io(plugin: CheckpointIO, *, sharded: bool, async_save: bool
         raise ValueError(
             f"The CheckpointIO plugin {name} saves single checkpoint files, and {strategy} saves a directory of"
             " shards (`state_dict_type='sharded'`) that it cannot write. Pass"
-            f" `{strategy}(state_dict_type=\"full\")` to save one file per checkpoint through {name}, as DDP does,"
+            f' `{strategy}(state_dict_type="full")` to save one file per checkpoint through {name}, as DDP does,'
             " or remove the plugin."
-            + (" For background saves of shards, use `async_save=True` instead." if isinstance(plugin, AsyncCheckpointIO) else "")
+            + (
+                " For background saves of shards, use `async_save=True` instead."
+                if isinstance(plugin, AsyncCheckpointIO)
+                else ""
+            )
         )
     if async_save:
         background = (

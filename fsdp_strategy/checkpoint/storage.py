@@ -199,7 +199,11 @@ class CheckpointFiles:
         return isinstance(self.source, str)
 
     def path(self, relative: str) -> str:
-        return self.fs.sep.join([self.root.rstrip(self.fs.sep), relative]) if self.remote else str(Path(self.root) / relative)
+        return (
+            self.fs.sep.join([self.root.rstrip(self.fs.sep), relative])
+            if self.remote
+            else str(Path(self.root) / relative)
+        )
 
     def is_dir(self) -> bool:
         return self.fs.isdir(self.root)

@@ -298,7 +298,9 @@ def load_trainer_state(path: Any, *, map_location: Any = "cpu", weights_only: bo
     except Exception as error:
         if weights_only and isinstance(error, pickle.UnpicklingError):
             raise refused_types(path, name, f"'{name}' holds", data, error) from None
-        raise damaged(path, name, f"'{name}' cannot be loaded ({type(error).__name__}: {first_line(error)}).") from error
+        raise damaged(
+            path, name, f"'{name}' cannot be loaded ({type(error).__name__}: {first_line(error)})."
+        ) from error
     if not isinstance(state, dict):
         raise damaged(path, name, f"'{name}' holds a {_type_name(state)}, not a dict of trainer state.")
     return state

@@ -149,12 +149,16 @@ def _storage_items(path: Path | str, metadata: Metadata) -> list[tuple[Any, str,
         relative = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         fqn = getattr(index, "fqn", index)
-        valid = isinstance(relative, str) and bool(relative) and all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)
+        valid = (
+            isinstance(relative, str)
+            and bool(relative)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length))
         )
         if not valid:
             raise damaged(
-                path, DCP_METADATA_FILENAME, f"'{DCP_METADATA_FILENAME}' has an invalid storage entry for '{fqn}': {info!r}."
+                path,
+                DCP_METADATA_FILENAME,
+                f"'{DCP_METADATA_FILENAME}' has an invalid storage entry for '{fqn}': {info!r}.",
             )
         relative_path = PurePosixPath(relative.replace("\\", "/"))
         if relative_path.is_absolute() or ".." in relative_path.parts or PurePath(relative).is_absolute():
@@ -225,7 +229,9 @@ def _check_byte_entries(files: CheckpointFiles, metadata: Metadata, *, weights_o
             torch_load(io.BytesIO(data), weights_only=weights_only)
         except Exception as error:
             if weights_only and isinstance(error, pickle.UnpicklingError):
-                raise refused_types(path, relative, f"shard file '{relative}' holds '{fqn}' with", data, error) from None
+                raise refused_types(
+                    path, relative, f"shard file '{relative}' holds '{fqn}' with", data, error
+                ) from None
             detail = f"shard file '{relative}' holds an unreadable entry '{fqn}' ({type(error).__name__}: {first_line(error)})."
             raise damaged(path, relative, detail) from error
 
@@ -284,7 +290,9 @@ def compare_keys(
         return
     parts = []
     if missing:
-        parts.append(f"{_plural(len(missing), 'missing key')} (in the model, not in the checkpoint): {_quoted(missing, limit)}")
+        parts.append(
+            f"{_plural(len(missing), 'missing key')} (in the model, not in the checkpoint): {_quoted(missing, limit)}"
+        )
     if unexpected:
         parts.append(
             f"{_plural(len(unexpected), 'unexpected key')} (in the checkpoint, not in the model): {_quoted(unexpected, limit)}"
@@ -320,5 +328,9 @@ def check_model_matches(
     files = checkpoint_files(path)
     metadata = read_dcp_metadata(files) if metadata is None else metadata
     compare_keys(
-        state_dict_shapes(model_state_dict), saved_shapes(metadata, prefix), checkpoint=files.name, limit=limit, strict=strict
+        state_dict_shapes(model_state_dict),
+        saved_shapes(metadata, prefix),
+        checkpoint=files.name,
+        limit=limit,
+        strict=strict,
     )

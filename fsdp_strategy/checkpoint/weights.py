@@ -13,6 +13,7 @@ import io
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, BinaryIO
 
 import torch
@@ -78,12 +79,17 @@ def _sharded_weights(opened: OpenedCheckpoint) -> ModelWeights:
         if not isinstance(md, TensorStorageMetadata):
             continue
         rows = _row_blocks(files, metadata, key)
+        blocks: Callable[[], Iterator[torch.Tensor]]
         if rows is not None:
-            blocks: Callable[[], Iterator[torch.Tensor]] = lambda rows=rows, md=md: _read_rows(files, rows, md)
+            blocks = partial(_read_rows, files, rows, md)
         else:
-            blocks = lambda key=key: (t for _, t in opened.read_tensors([key]))  # noqa: E731
+            blocks = partial(_read_whole, opened, key)
         entries.append(WeightEntry(key[len(head) :], md.properties.dtype, tuple(md.size), blocks))
     return ModelWeights(entries, _as_dict(hyper_parameters), len(keys))
+
+
+def _read_whole(opened: OpenedCheckpoint, key: str) -> Iterator[torch.Tensor]:
+    return (tensor for _, tensor in opened.read_tensors([key]))
 
 
 def _row_blocks(files: storage.CheckpointFiles, metadata: Metadata, key: str) -> list[tuple[Any, ...]] | None:
@@ -113,7 +119,9 @@ def _row_blocks(files: storage.CheckpointFiles, metadata: Metadata, key: str) ->
     return [(relative, offset, length, rows) for _, rows, relative, offset, length in blocks]
 
 
-def _read_rows(files: storage.CheckpointFiles, rows: list[tuple[Any, ...]], md: TensorStorageMetadata) -> Iterator[torch.Tensor]:
+def _read_rows(
+    files: storage.CheckpointFiles, rows: list[tuple[Any, ...]], md: TensorStorageMetadata
+) -> Iterator[torch.Tensor]:
     for relative, offset, length, count in rows:
         if count == 0:
             continue
@@ -162,7 +170,9 @@ def _file_weights(opened: OpenedCheckpoint) -> ModelWeights:
     """A single-file Lightning checkpoint (or a plain state dict), memory-mapped when local."""
     source = opened.source
     loaded = opened.load_file()
-    state = loaded.get("state_dict") if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict) else loaded
+    state = (
+        loaded.get("state_dict") if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict) else loaded
+    )
     if not isinstance(state, dict):
         raise ValueError(f"'{source}' is neither a sharded checkpoint nor a checkpoint file with a 'state_dict'.")
     hyper_parameters = loaded.get("hyper_parameters") if state is not loaded else None

@@ -79,7 +79,9 @@ class UnitGroup:
     name: str = ""  # the unit's modules, qualified and comma-joined ("" for the root and for DDP's single group)
 
 
-def plan_groups(module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto") -> list[UnitGroup]:
+def plan_groups(
+    module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto"
+) -> list[UnitGroup]:
     """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group)."""
     precision = canonical_precision(precision)
     if strategy == "ddp":
@@ -110,14 +112,17 @@ def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) ->
     owners = _assign_parameters(module, [[id(m) for m in members] for members, _, _ in units])
     names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
     root = UnitGroup(_param_infos(owners.pop(-1), precision, low, names), is_root=True)
-    return [root, *(
-        UnitGroup(
-            _param_infos(owners[i], precision, policy, names),
-            name=",".join(modules[id(m)] for m in members),
-            reshard_after_forward=reshard,
-        )
-        for i, (members, policy, reshard) in enumerate(units)
-    )]
+    return [
+        root,
+        *(
+            UnitGroup(
+                _param_infos(owners[i], precision, policy, names),
+                name=",".join(modules[id(m)] for m in members),
+                reshard_after_forward=reshard,
+            )
+            for i, (members, policy, reshard) in enumerate(units)
+        ),
+    ]
 
 
 def _assign_parameters(module: nn.Module, units: list[list[int]]) -> dict[int, list[nn.Parameter]]:

@@ -195,7 +195,9 @@ def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) ->
     if processes_per_node is not None:
         if world_size % processes_per_node:
             raise ValueError(node_size_mismatch(processes_per_node, world_size))
-        mesh = resolve_mesh_shape(world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node)
+        mesh = resolve_mesh_shape(
+            world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node
+        )
         return mesh, ""
     if world_size % 2 == 0:
         per_node = world_size // 2

@@ -50,7 +50,6 @@ class StepPeak:
     moment: str
 
 
-
 class StepPeaks:
     """Step peaks of one model for any strategy, world size, micro-batch size and checkpointing choice.
 
@@ -75,7 +74,9 @@ class StepPeaks:
         self.activation_checkpointing = activation_checkpointing
         self._traces: dict[tuple[bool, int, bool], tuple[StepTrace, list[UnitGroup]]] = {}
 
-    def peak(self, estimate: Estimate, *, micro_batch_size: int, checkpointed: bool = False, accumulate: int = 1) -> StepPeak:
+    def peak(
+        self, estimate: Estimate, *, micro_batch_size: int, checkpointed: bool = False, accumulate: int = 1
+    ) -> StepPeak:
         """The peak of ``estimate``'s strategy and world size at ``micro_batch_size`` samples per forward."""
         if checkpointed and self.activation_checkpointing is None:
             raise ValueError("`checkpointed=True` needs an activation_checkpointing policy.")
@@ -83,10 +84,19 @@ class StepPeaks:
         key = (sharded, micro_batch_size, checkpointed)
         if key not in self._traces:
             model = self.build()
-            groups = plan_groups(model, strategy=estimate.strategy, precision=self.precision, wrap_policy=self.wrap_policy)
+            groups = plan_groups(
+                model, strategy=estimate.strategy, precision=self.precision, wrap_policy=self.wrap_policy
+            )
             policy = self.activation_checkpointing if checkpointed else None
-            trace = trace_step(model, self.make_batch, batch_size=micro_batch_size, precision=self.precision,
-                               groups=groups, sharded=sharded, activation_checkpointing=policy)
+            trace = trace_step(
+                model,
+                self.make_batch,
+                batch_size=micro_batch_size,
+                precision=self.precision,
+                groups=groups,
+                sharded=sharded,
+                activation_checkpointing=policy,
+            )
             self._traces[key] = (trace, groups)
         trace, groups = self._traces[key]
         return step_peak(trace, groups, estimate, accumulate=accumulate)
@@ -145,7 +155,9 @@ class _Peak:
 def _optimizer_temporaries(groups: Sequence[UnitGroup], estimate: Estimate, shards: int) -> int:
     if estimate.optimizer not in ("adam", "adamw"):
         return 0
-    largest = max((shard_numel(p.shape, shards) * p.storage for g in groups for p in g.params if p.trainable), default=0)
+    largest = max(
+        (shard_numel(p.shape, shards) * p.storage for g in groups for p in g.params if p.trainable), default=0
+    )
     return _ADAM_TEMPORARIES * largest
 
 
@@ -182,15 +194,24 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[UnitGroup], estimate: Estima
     # Groups sharded with reshard_after_forward=False stay gathered from their forward until their backward.
     kept = {g.name for g in groups if not g.is_root and g.reshard_after_forward is False}
     # The blocks, whose all-gather outputs and reduce-scatter inputs are pooled (with one shard: no collectives).
-    pooled = {g.name for g in groups if shards > 1 and not g.is_root and g.reshard_after_forward is None
-              and "," not in g.name and estimate.strategy != "fsdp2_offload"}
+    pooled = {
+        g.name
+        for g in groups
+        if shards > 1
+        and not g.is_root
+        and g.reshard_after_forward is None
+        and "," not in g.name
+        and estimate.strategy != "fsdp2_offload"
+    }
     reduce_input_unit = ""
     # A group's gradients are reduced once every member's backward is done (or when backward ends).
     members = {g.name: g.name.count(",") + 1 for g in groups if not g.is_root}
     backward_done: dict[str, int] = {}
     offload = estimate.strategy == "fsdp2_offload"
     reduce = role in ("only", "last")
-    held = estimate.param_bytes + estimate.optimizer_bytes + trace.buffer_bytes + trace.batch_bytes * (_BATCHES_HELD - 1)
+    held = (
+        estimate.param_bytes + estimate.optimizer_bytes + trace.buffer_bytes + trace.batch_bytes * (_BATCHES_HELD - 1)
+    )
     # Before zero_grad: the previous step's sharded gradients (first micro-batch), or the unsharded ones
     # accumulated by this step's earlier micro-batches (reduce dtype, full size).
     sharded_grads = 0 if offload or role in ("middle", "last") else estimate.grad_bytes
@@ -207,8 +228,18 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[UnitGroup], estimate: Estima
         in_use = [size for unit, size in buffers.items() if unit in pooled]
         in_use += [reduce_input] if reduce_input and reduce_input_unit in pooled else []
         idle = pool.idle_bytes(in_use)
-        return (held + sharded_grads + activations + sum(gathered.values()) + sum(buffers.values())
-                + sum(unsharded.values()) + sum(accumulated.values()) + reduce_input + idle + extra)
+        return (
+            held
+            + sharded_grads
+            + activations
+            + sum(gathered.values())
+            + sum(buffers.values())
+            + sum(unsharded.values())
+            + sum(accumulated.values())
+            + reduce_input
+            + idle
+            + extra
+        )
 
     def gather(unit: str) -> None:
         # The all-gather fills one flat buffer, copied out into the unit's parameters. In forward FSDP2 keeps

@@ -34,7 +34,15 @@ from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import PolicyInput, class_name, normalize_policy
 from fsdp_strategy.sizes import format_bytes, parse_bytes
 
-__all__ = ["RECOMMENDATION_ORDER", "build_on_meta", "estimate", "EstimateReport", "recommend", "Recommendation", "render_table"]
+__all__ = [
+    "RECOMMENDATION_ORDER",
+    "build_on_meta",
+    "estimate",
+    "EstimateReport",
+    "recommend",
+    "Recommendation",
+    "render_table",
+]
 
 # Simplest first: the order in which strategies are tried against a budget.
 RECOMMENDATION_ORDER = ("ddp", "fsdp2_grad_op", "fsdp2", "fsdp2_hybrid", "fsdp2_offload")
@@ -143,8 +151,13 @@ def estimate(
             )
     peaks = None
     if make_batch is not None:
-        peaks = StepPeaks(partial(build_on_meta, cls, init_args or {}), make_batch, precision=precision,
-                          wrap_policy=wrap_policy, activation_checkpointing=checkpointing)
+        peaks = StepPeaks(
+            partial(build_on_meta, cls, init_args or {}),
+            make_batch,
+            precision=precision,
+            wrap_policy=wrap_policy,
+            activation_checkpointing=checkpointing,
+        )
         rows = [_with_step_peak(row, peaks, batch_size, accumulate_grad_batches) for row in rows]
     if budget_bytes is None:
         recommendations = []
@@ -156,13 +169,28 @@ def estimate(
             names = [r.strategy for r in rows if r.world_size == world_size]
 
             def estimate_for(strategy: str, accumulate: int, world_size: int = world_size) -> Estimate:
-                return estimate_module(model, strategy=strategy, world_size=world_size, precision=precision,
-                                       optimizer=optimizer, processes_per_node=processes_per_node,
-                                       wrap_policy=wrap_policy, accumulate_grad_batches=accumulate)
+                return estimate_module(
+                    model,
+                    strategy=strategy,
+                    world_size=world_size,
+                    precision=precision,
+                    optimizer=optimizer,
+                    processes_per_node=processes_per_node,
+                    wrap_policy=wrap_policy,
+                    accumulate_grad_batches=accumulate,
+                )
 
-            recommendations.append(fit_budget(estimate_for, peaks, world_size=world_size, strategies=names,
-                                              batch_size=batch_size, accumulate=accumulate_grad_batches,
-                                              budget=budget_bytes))
+            recommendations.append(
+                fit_budget(
+                    estimate_for,
+                    peaks,
+                    world_size=world_size,
+                    strategies=names,
+                    batch_size=batch_size,
+                    accumulate=accumulate_grad_batches,
+                    budget=budget_bytes,
+                )
+            )
     return EstimateReport(
         model=class_name(model),
         num_params=sum(p.numel() for p in unique_parameters(model)),
@@ -182,8 +210,15 @@ def _batch_factory(
 ) -> Callable[[int], Any] | None:
     """What makes a batch of ``n`` samples for the traced step, or ``None`` when no batch was asked for."""
     if batch_size is None:
-        given = [name for name, value in (("seq_len", seq_len), ("sample_batch", sample_batch),
-                                          ("activation_checkpointing", checkpointing)) if value is not None]
+        given = [
+            name
+            for name, value in (
+                ("seq_len", seq_len),
+                ("sample_batch", sample_batch),
+                ("activation_checkpointing", checkpointing),
+            )
+            if value is not None
+        ]
         if given:
             raise ValueError(
                 f"`{given[0]}` needs `batch_size` (samples per rank and forward): the step peak is traced on a batch;"
@@ -210,8 +245,13 @@ def _with_step_peak(row: Estimate, peaks: StepPeaks, batch_size: int, accumulate
     checkpointed = None
     if peaks.activation_checkpointing is not None:
         checkpointed = peaks.peak(row, micro_batch_size=batch_size, checkpointed=True, accumulate=accumulate).bytes
-    return replace(row, batch_size=batch_size, step_peak_bytes=peak.bytes, activation_bytes=peak.activation_bytes,
-                   checkpointed_peak_bytes=checkpointed)
+    return replace(
+        row,
+        batch_size=batch_size,
+        step_peak_bytes=peak.bytes,
+        activation_bytes=peak.activation_bytes,
+        checkpointed_peak_bytes=checkpointed,
+    )
 
 
 def recommend(rows: Sequence[Estimate], world_size: int, budget: int) -> Recommendation:

@@ -35,8 +35,12 @@ from fsdp_strategy.sharding.precision import precision_plugin_for
 
 __all__ = ["StepTrace", "token_batch", "trace_step"]
 
-_LOW_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
-               "16-true": torch.float16}
+_LOW_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,6 @@ class StepTrace:
     units: tuple[str, ...]  # units in the order their forward ran (FSDP2 prefetches backward in reverse)
     batch_size: int
     activation_checkpointing: str | None
-
-
 
 
 def token_batch(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -96,11 +98,15 @@ def trace_step(
     live = LiveTensors(fake=True, on_op=lambda live, _: _note(records, live.by_category.get(OTHER, 0)))
     with fake_mode:
         params, buffers = _fake_state(model, dtypes, low if precision.endswith("-true") else None)
-        batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, Tensor) and not is_fake(t) else t,
-                         make_batch(batch_size))
+        batch = tree_map(
+            lambda t: fake_mode.from_tensor(t) if isinstance(t, Tensor) and not is_fake(t) else t,
+            make_batch(batch_size),
+        )
     if activation_checkpointing is not None:
         apply_activation_checkpointing(select_modules(model, activation_checkpointing))
-    state = _Hooks(model, groups, records, live, {name: dtypes.get(name) for name in params} if sharded and mixed else None)
+    state = _Hooks(
+        model, groups, records, live, {name: dtypes.get(name) for name in params} if sharded and mixed else None
+    )
     batch_tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
     live.track(params.values(), "param")
     live.track(buffers, "buffer")
@@ -120,7 +126,9 @@ def trace_step(
         try:
             loss.backward()
         except Exception as exc:  # an op without a fake implementation, a data-dependent branch
-            raise ValueError(f"The backward of {class_name(model)}.training_step failed on fake tensors: {exc}") from exc
+            raise ValueError(
+                f"The backward of {class_name(model)}.training_step failed on fake tensors: {exc}"
+            ) from exc
     state.remove()
     return StepTrace(
         records=records,
@@ -137,7 +145,9 @@ def _note(records: list[Any], activations: int) -> None:
         records.append(activations)
 
 
-def _traced_dtypes(groups: Sequence[UnitGroup], low: torch.dtype | None, precision: str, sharded: bool) -> dict[str, torch.dtype]:
+def _traced_dtypes(
+    groups: Sequence[UnitGroup], low: torch.dtype | None, precision: str, sharded: bool
+) -> dict[str, torch.dtype]:
     """The dtype each floating parameter has while the step computes with it."""
     dtypes = {}
     for group in groups:
@@ -149,7 +159,9 @@ def _traced_dtypes(groups: Sequence[UnitGroup], low: torch.dtype | None, precisi
     return dtypes
 
 
-def _fake_state(model: nn.Module, dtypes: dict[str, torch.dtype], buffer_dtype: torch.dtype | None) -> tuple[dict, list]:
+def _fake_state(
+    model: nn.Module, dtypes: dict[str, torch.dtype], buffer_dtype: torch.dtype | None
+) -> tuple[dict, list]:
     """Replaces every parameter (a tied one once) and buffer by a fake CPU tensor; returns them."""
     fakes: dict[int, nn.Parameter] = {}
     by_name: dict[str, nn.Parameter] = {}
@@ -218,10 +230,14 @@ class _Hooks:
             # A group of several modules (fully_shard([a, b])) is one unit: every member's events are the unit's.
             for member in group.name.split(","):
                 module = model.get_submodule(member)
-                self.handles.append(module.register_forward_pre_hook(self._pre_forward(group.name, dtype), with_kwargs=True))
+                self.handles.append(
+                    module.register_forward_pre_hook(self._pre_forward(group.name, dtype), with_kwargs=True)
+                )
                 self.handles.append(module.register_forward_hook(self._post_forward(group.name)))
         # FSDP2 lets go of the last unit's all-gather buffer when the root's forward ends.
-        self.handles.append(model.register_forward_hook(lambda *_: None if self.backward else records.append(("root_fw_end",))))
+        self.handles.append(
+            model.register_forward_hook(lambda *_: None if self.backward else records.append(("root_fw_end",)))
+        )
         params = dict(model.named_parameters())
         for name, param in params.items():
             if param.requires_grad:
@@ -230,8 +246,9 @@ class _Hooks:
     def _pre_forward(self, name: str, dtype: torch.dtype | None) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if dtype is not None:  # also when activation checkpointing recomputes the forward in backward
-                args, kwargs = tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t,
-                                        (args, kwargs))
+                args, kwargs = tree_map(
+                    lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, (args, kwargs)
+                )
             if self.backward:  # recomputation: FSDP2 leaves the unit gathered as its backward gathered it
                 return args, kwargs
             self.records.append(("fw", name))

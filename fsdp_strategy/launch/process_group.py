@@ -46,7 +46,14 @@ class ProcessGroup:
         # Store connections and process groups of this process: a pickled Trainer leaves them out.
         return {**self.__dict__, "membership": None, "_host_group": None}
 
-    def start(self, environment: ClusterEnvironment, *, member: rendezvous.Member, processes_per_node: int, device: torch.device) -> None:
+    def start(
+        self,
+        environment: ClusterEnvironment,
+        *,
+        member: rendezvous.Member,
+        processes_per_node: int,
+        device: torch.device,
+    ) -> None:
         """Joins the default group, or (a later stage with the same strategy) resumes the heartbeats."""
         backend = self.backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
         self.peer_lost = False
@@ -130,7 +137,9 @@ class ProcessGroup:
         if self.membership is None or world_size == 1:  # a process group this strategy did not join
             return ended_here
         self.stages_ended += 1
-        return self.membership.all_ok(f"stage_end/{self.stages_ended}", ended_here, timeout=self.timeout.total_seconds())
+        return self.membership.all_ok(
+            f"stage_end/{self.stages_ended}", ended_here, timeout=self.timeout.total_seconds()
+        )
 
 
 @dataclass

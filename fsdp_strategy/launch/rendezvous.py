@@ -29,7 +29,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Member", "Membership", "PeerLostError", "all_ranks_agree", "finish_collectives_at_exit", "join", "on_rank_zero"]
+__all__ = [
+    "Member",
+    "Membership",
+    "PeerLostError",
+    "all_ranks_agree",
+    "finish_collectives_at_exit",
+    "join",
+    "on_rank_zero",
+]
 
 # How long the end of the process lets the collectives' threads run: they need the GIL for microseconds after the
 # last collective completed (docs/gloo_exit_abort.py).
@@ -53,6 +61,7 @@ def finish_collectives_at_exit() -> None:
 def _let_collective_threads_finish() -> None:
     time.sleep(COLLECTIVE_THREADS_GRACE_S)
 
+
 _PREFIX = "fsdp_strategy"
 _ROSTER_POLL_SECONDS = 0.2
 # A live rank on a loaded machine can miss a beat or two; a shorter window would call it lost.
@@ -72,7 +81,9 @@ class Member:
     pid: int
 
     def describe(self) -> str:
-        return f"rank {self.rank} (node {self.node_rank}, local rank {self.local_rank}, host {self.host}, pid {self.pid})"
+        return (
+            f"rank {self.rank} (node {self.node_rank}, local rank {self.local_rank}, host {self.host}, pid {self.pid})"
+        )
 
 
 def heartbeat_interval(timeout: timedelta) -> float:
@@ -83,7 +94,9 @@ def heartbeat_interval(timeout: timedelta) -> float:
 class Membership:
     """This rank's view of the other ranks, kept current by a heartbeat thread."""
 
-    def __init__(self, store: dist.Store, me: Member, members: dict[int, Member], interval: float, agent_store: bool) -> None:
+    def __init__(
+        self, store: dist.Store, me: Member, members: dict[int, Member], interval: float, agent_store: bool
+    ) -> None:
         self.me = me
         self.members = members
         self.interval = interval
@@ -108,7 +121,9 @@ class Membership:
         self._probe.set_timeout(short)
         store = self._store.clone()
         store.set_timeout(short)
-        self._thread = threading.Thread(target=self._beat, args=(store, self._stop), name="fsdp2-heartbeat", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat, args=(store, self._stop), name="fsdp2-heartbeat", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -220,12 +235,18 @@ def join(
     """Connects to the store, waits for every rank (naming the missing ones), and creates the default group."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    base = _connect(address, port, me, world_size, timeout, host=not agent_store and me.rank == 0, agent_store=agent_store)
+    base = _connect(
+        address, port, me, world_size, timeout, host=not agent_store and me.rank == 0, agent_store=agent_store
+    )
     store = dist.PrefixStore(f"{_PREFIX}/attempt_{attempt}", base)
     members = _wait_for_roster(store, me, world_size, processes_per_node, timeout)
     dist.init_process_group(
-        backend, store=dist.PrefixStore("process_group", store), rank=me.rank, world_size=world_size,
-        timeout=timeout, device_id=device_id,
+        backend,
+        store=dist.PrefixStore("process_group", store),
+        rank=me.rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
     )
     membership = Membership(store, me, members, heartbeat_interval(timeout), agent_store)
     membership.start()
@@ -312,17 +333,27 @@ def is_communication_failure(exception: BaseException) -> bool:
         return True
     text = str(exception)
     # Transport names only: a bare "timed out" also comes from DataLoader workers and user code.
-    markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "Connection refused", "recv operation", "send operation")
+    markers = (
+        "gloo",
+        "NCCL",
+        "Connection reset",
+        "Connection closed",
+        "Connection refused",
+        "recv operation",
+        "send operation",
+    )
     return isinstance(exception, RuntimeError) and any(marker in text for marker in markers)
 
 
 def advice() -> str:
     """What to do after losing a peer; torchrun sets the restart variables when it will try again."""
-    restarting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    restarting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    )
     what = (
-        "torchrun will restart the job; `trainer.fit(..., ckpt_path=\"last\")` resumes it from the last complete checkpoint."
+        'torchrun will restart the job; `trainer.fit(..., ckpt_path="last")` resumes it from the last complete checkpoint.'
         if restarting
-        else "Restart the job: with `torchrun --max-restarts N` and `trainer.fit(..., ckpt_path=\"last\")` it resumes"
+        else 'Restart the job: with `torchrun --max-restarts N` and `trainer.fit(..., ckpt_path="last")` it resumes'
         " from the last complete checkpoint by itself."
     )
     return (
@@ -340,7 +371,9 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def on_rank_zero(action: Callable[[], Any], error: Callable[[str], Exception], is_zero: bool, broadcast: Callable[[Any], Any]) -> Any:
+def on_rank_zero(
+    action: Callable[[], Any], error: Callable[[str], Exception], is_zero: bool, broadcast: Callable[[Any], Any]
+) -> Any:
     """Runs ``action`` on rank 0 only (``None`` elsewhere). If it fails, every rank raises ``error(message)``:
     the others would otherwise wait for rank 0 in the next collective. ``broadcast`` sends rank 0's object."""
     result, message = None, None

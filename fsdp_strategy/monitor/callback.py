@@ -286,4 +286,3 @@ def _nanmax(a: float, b: float) -> float:
 
 def _strategy_label(strategy: Any) -> str:
     return getattr(strategy, "strategy_name", None) or type(strategy).__name__
-

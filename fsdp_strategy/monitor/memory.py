@@ -74,4 +74,3 @@ def peak_memory(device: torch.device, rss_at_start: int | None = None) -> dict[s
         memory["peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(device))
         memory["peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(device))
     return memory
-

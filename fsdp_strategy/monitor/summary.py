@@ -112,15 +112,21 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a table that reads well in a terminal."""
     cuda = any(r["peak_allocated_bytes"] is not None for r in summary["ranks"])
-    header = ["rank", "peak RSS", "RSS growth", "live peak"] + (["CUDA peak alloc", "CUDA peak reserved"] if cuda else [])
+    header = ["rank", "peak RSS", "RSS growth", "live peak"] + (
+        ["CUDA peak alloc", "CUDA peak reserved"] if cuda else []
+    )
     header += ["model state", "samples/s", "tokens/s", "TFLOP/s"]
     rows = []
     for r in summary["ranks"]:
         row = [str(r["rank"]), _bytes(r["peak_rss_bytes"]), _bytes(r["rss_growth_bytes"]), _bytes(r["live_peak_bytes"])]
         if cuda:
             row += [_bytes(r["peak_allocated_bytes"]), _bytes(r["peak_reserved_bytes"])]
-        row += [_bytes(r["model_state_bytes"]), _number(r["samples_per_sec"]), _number(r["tokens_per_sec"], 0),
-                _significant(r["tflops_per_sec"])]
+        row += [
+            _bytes(r["model_state_bytes"]),
+            _number(r["samples_per_sec"]),
+            _number(r["tokens_per_sec"], 0),
+            _significant(r["tflops_per_sec"]),
+        ]
         rows.append(row)
     title = (
         f"ShardingMonitor: {summary.get('strategy', '?')} | {summary['world_size']} x {summary.get('device', '?')}"

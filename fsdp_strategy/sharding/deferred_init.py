@@ -92,7 +92,9 @@ class DeferredTensor(torch.Tensor):
         return tensor
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return f"DeferredTensor({self._record.owner}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+        return (
+            f"DeferredTensor({self._record.owner}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+        )
 
     @property  # type: ignore[override]
     def data(self) -> Tensor:
@@ -182,7 +184,9 @@ def _record_write(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec:
     if func in OVERWRITES and record.is_whole(shadow):
         record.start_over()
     kept = [None if i == position else leaf for i, leaf in enumerate(leaves)]
-    record.writes.append(Write(func, tuple(shadow.shape), shadow.stride(), shadow.storage_offset(), position, kept, spec))
+    record.writes.append(
+        Write(func, tuple(shadow.shape), shadow.stride(), shadow.storage_offset(), position, kept, spec)
+    )
     return True
 
 

@@ -102,7 +102,10 @@ class Write:
         leaves = [view if i == self.target else leaf for i, leaf in enumerate(self.leaves)]
         args, kwargs = tree_unflatten(leaves, self.spec)
         if seed is not None and self.random:
-            kwargs = {**kwargs, "generator": torch.Generator(device=view.device).manual_seed(_mix(seed, self.key, shard))}
+            kwargs = {
+                **kwargs,
+                "generator": torch.Generator(device=view.device).manual_seed(_mix(seed, self.key, shard)),
+            }
         self.op(*args, **kwargs)
 
     def describe(self) -> tuple:
@@ -271,7 +274,9 @@ def _refuse_what_cannot_be_initialized(model: nn.Module, records: dict[str, Reco
                 unrecorded.append(name)
             seen.add(id(param))
         if unrecorded and not callable(getattr(module, "reset_parameters", None)):
-            problems.append(f"parameters {', '.join(repr(n) for n in unrecorded)} ({class_name(module)}, no reset_parameters())")
+            problems.append(
+                f"parameters {', '.join(repr(n) for n in unrecorded)} ({class_name(module)}, no reset_parameters())"
+            )
     if problems:
         raise DeferredInitError(
             "These tensors are on the meta device and the strategy cannot give them the values your code would:"
@@ -335,7 +340,9 @@ def _local_rows(param: Tensor) -> tuple[int, int] | None:
         if not isinstance(placement, Shard):
             continue
         if placement.dim != 0:
-            raise DeferredInitError(f"Cannot initialize a parameter sharded on dim {placement.dim}; only dim 0 is supported.")
+            raise DeferredInitError(
+                f"Cannot initialize a parameter sharded on dim {placement.dim}; only dim 0 is supported."
+            )
         count, index = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
         chunk = math.ceil(size / count)
         start, size = start + index * chunk, max(0, min(chunk, size - index * chunk))

@@ -22,7 +22,11 @@ def resolve_mesh_shape(
     sharded), unless ``processes_per_node`` is given: then hybrid sharding shards within a node
     and replicates across nodes.
     """
-    for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size), ("processes_per_node", processes_per_node)):
+    for option, size in (
+        ("replicate_size", replicate_size),
+        ("shard_size", shard_size),
+        ("processes_per_node", processes_per_node),
+    ):
         if size is not None:
             check_positive_int(option, size)
     shard_label = "shard_size"

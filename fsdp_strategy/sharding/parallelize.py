@@ -110,7 +110,9 @@ def plan_units(
     units: list[ShardedUnit] = []
     claimed: set[int] = set()  # parameters of the units planned so far
     if norms:
-        units.append(_unit(norms, FULL_PRECISION_POLICY, claimed, reshard_after_forward=False, input_dtype=torch.float32))
+        units.append(
+            _unit(norms, FULL_PRECISION_POLICY, claimed, reshard_after_forward=False, input_dtype=torch.float32)
+        )
     # post-order: fully_shard must see inner units first
     for name, module in reversed(named[1:]):
         if name in blocks:
@@ -182,7 +184,9 @@ def apply_fully_shard(
             mesh=mesh,
             mp_policy=unit.mp_policy,
             offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward,
+            reshard_after_forward=reshard_after_forward
+            if unit.reshard_after_forward is None
+            else unit.reshard_after_forward,
         )
         if unit.input_dtype is not None:
             for module in unit.modules:
@@ -250,7 +254,9 @@ def _shard_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *_: ob
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             if value.shape == param.shape:
                 local = value.to(device=param.to_local().device, dtype=param.dtype)
-                state_dict[prefix + name] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+                state_dict[prefix + name] = distribute_tensor(
+                    local, param.device_mesh, param.placements, src_data_rank=None
+                )
 
 
 def _is_user_method(model: nn.Module, method: str) -> bool:

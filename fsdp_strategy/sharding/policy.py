@@ -128,7 +128,9 @@ def _post_order(selected: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
 
 
 def _auto_blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    no_split = {name for _, module in [("", model), *named] for name in getattr(module, "_no_split_modules", None) or ()}
+    no_split = {
+        name for _, module in [("", model), *named] for name in getattr(module, "_no_split_modules", None) or ()
+    }
     blocks = [(name, module) for name, module in named if class_name(module) in no_split]
     if blocks:
         return blocks

@@ -43,7 +43,9 @@ SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-tr
 # The norms' inputs are cast to fp32 by a hook of the strategy's own (parallelize.cast_inputs), not by FSDP: before
 # torch 2.13 FSDP skipped that cast when activation checkpointing recomputed a norm inside a block, and the
 # recomputed tensors no longer matched the forward's.
-FULL_PRECISION_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+FULL_PRECISION_POLICY = MixedPrecisionPolicy(
+    param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+)
 
 # Class names cover torch's norms and the many re-implementations (LlamaRMSNorm, T5LayerNorm, ...).
 _NORM_CLASS_NAME = re.compile(r"Norm")
@@ -59,9 +61,7 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
 
 def is_normalization(module: nn.Module) -> bool:
     """Whether ``module`` is a normalization layer that owns parameters (kept in fp32 under ``*-mixed``)."""
-    return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and any(
-        True for _ in module.parameters(recurse=False)
-    )
+    return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and any(True for _ in module.parameters(recurse=False))
 
 
 def precision_plugin_for(precision: str, device_type: str) -> Precision:

@@ -36,7 +36,10 @@ from fsdp_strategy.sharding.state_bytes import full_bytes, model_state_tensors
 __all__ = [
     "plain_optimizers",
     "sharded_optimizers",
-    "ShardingSnapshot", "full_state_bytes", "gathered_parameters", "unshard",
+    "ShardingSnapshot",
+    "full_state_bytes",
+    "gathered_parameters",
+    "unshard",
 ]
 
 
@@ -127,7 +130,9 @@ class ShardingSnapshot:
             removed = _added_hooks(module, before, _from_this_package_or_torch_distributed)
             for name, registry in _hook_registries(module).items():
                 state[name] = type(registry)((k, v) for k, v in registry.items() if k not in removed)
-            state["_parameters"] = {n: gathered.get(id(p), p) if p is not None else None for n, p in module._parameters.items()}
+            state["_parameters"] = {
+                n: gathered.get(id(p), p) if p is not None else None for n, p in module._parameters.items()
+            }
             state["_modules"] = {n: view(c) if c is not None else None for n, c in module._modules.items()}
             copy = object.__new__(before.cls)
             copy.__dict__.update(state)
@@ -202,7 +207,11 @@ def _added_hooks(module: nn.Module, before: _Before, added_by: Any) -> set[Any]:
 
 def _hook_registries(module: nn.Module) -> dict[str, dict]:
     # nn.Module keeps its hooks (and per-hook flags) in dicts named _*hooks*.
-    return {name: value for name, value in module.__dict__.items() if name.startswith("_") and "hooks" in name and isinstance(value, dict)}
+    return {
+        name: value
+        for name, value in module.__dict__.items()
+        if name.startswith("_") and "hooks" in name and isinstance(value, dict)
+    }
 
 
 def _state(module: nn.Module) -> _Before:
@@ -230,7 +239,9 @@ def full_state_bytes(model: nn.Module, optimizers: Iterable[Optimizer]) -> int:
     return full_bytes(model_state_tensors(model, optimizers, gradients=False))
 
 
-def unshard(model: nn.Module, before: ShardingSnapshot, optimizers: Iterable[Optimizer], *, device: torch.device) -> None:
+def unshard(
+    model: nn.Module, before: ShardingSnapshot, optimizers: Iterable[Optimizer], *, device: torch.device
+) -> None:
     """Gathers every DTensor parameter of ``model`` into a full tensor on ``device`` and gives each module back its
     original class, hooks, attributes and Parameter objects, now holding the full values. Collective: every rank
     calls it.
@@ -288,4 +299,8 @@ def plain_optimizers(optimizers: Iterable[Any]) -> list[Optimizer]:
 def sharded_optimizers(optimizers: Iterable[Any]) -> list[Optimizer]:
     """The optimizers of the current sharded model (a stage after fit keeps fit's optimizers, whose
     parameters were given back in full)."""
-    return [o for o in plain_optimizers(optimizers) if any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])]
+    return [
+        o
+        for o in plain_optimizers(optimizers)
+        if any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])
+    ]

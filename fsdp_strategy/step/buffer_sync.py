@@ -27,7 +27,14 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.step.hooks import StepHook
 
-__all__ = ["BufferSync", "BufferSyncHook", "broadcast_tensors", "check_sync_batchnorm", "module_buffers", "sync_module_states"]
+__all__ = [
+    "BufferSync",
+    "BufferSyncHook",
+    "broadcast_tensors",
+    "check_sync_batchnorm",
+    "module_buffers",
+    "sync_module_states",
+]
 
 # DDP's default bucket for the same broadcast (``broadcast_bucket_size``): bounds the extra memory of
 # flattening a module's parameters into one message.
@@ -46,7 +53,11 @@ def module_buffers(module: nn.Module) -> list[Tensor]:
 
 
 def sync_module_states(
-    module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None, host_group: dist.ProcessGroup | None = None,
+    module: nn.Module,
+    *,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    host_group: dist.ProcessGroup | None = None,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> None:
     """Copies rank ``src``'s unsharded parameters and its buffers to every rank, as DDP does at wrap time.
@@ -61,8 +72,9 @@ def sync_module_states(
         for name, p in module.named_parameters()
         if name not in ignored and not isinstance(p, DTensor) and not p.is_meta
     ]
-    broadcast_tensors([*params, *module_buffers(module)], src=src, group=group, host_group=host_group,
-                      bucket_bytes=bucket_bytes)
+    broadcast_tensors(
+        [*params, *module_buffers(module)], src=src, group=group, host_group=host_group, bucket_bytes=bucket_bytes
+    )
 
 
 def broadcast_tensors(

@@ -84,8 +84,9 @@ class _PooledAllGather:
         self.unit.full_numel = math.prod(size)
         return self.unit.pool.take(size, dtype, device)
 
-    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -99,10 +100,10 @@ class _PooledReduceScatter:
             return self.unit.pool.take(size, dtype, device)
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: object,
-                 async_op: bool = False) -> dist.Work | None:
-        return reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: object, async_op: bool = False
+    ) -> dist.Work | None:
+        return reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
 
 
 def reuse_buffers(units: Iterable[nn.Module], *, shards: int) -> BufferPool | None:

@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 
-
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or inf under ``nonfinite_grads="raise"``; raised on every rank alike."""
 
@@ -152,7 +151,14 @@ class NonFiniteGuard:
         return self.mode != "ignore"
 
     def wrap(
-        self, closure: Callable[[], Any], module: nn.Module, optimizer: Optimizer, *, step: int, device: torch.device, scaler: Any
+        self,
+        closure: Callable[[], Any],
+        module: nn.Module,
+        optimizer: Optimizer,
+        *,
+        step: int,
+        device: torch.device,
+        scaler: Any,
     ) -> Callable[[], Any]:
         """``closure`` (forward and backward, or nothing under manual optimization) followed by the check.
 
@@ -193,4 +199,6 @@ class GuardHook(StepHook):
 
     def wrap_closure(self, closure: Callable[[], Any], optimizer: Optimizer, module: nn.Module) -> Callable[[], Any]:
         scaler = getattr(self.precision, "scaler", None)
-        return self.guard.wrap(closure, module, optimizer, step=module.trainer.global_step, device=self.device, scaler=scaler)
+        return self.guard.wrap(
+            closure, module, optimizer, step=module.trainer.global_step, device=self.device, scaler=scaler
+        )

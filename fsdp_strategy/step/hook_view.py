@@ -27,7 +27,13 @@ from fsdp_strategy._compat import tensor_version
 from fsdp_strategy.launch.rendezvous import all_ranks_agree
 from fsdp_strategy.sizes import format_bytes
 
-__all__ = ["WholeParameters", "explain_sharded_view", "whole_parameters_in_hooks", "hooks_read_parameters", "whole_bytes"]
+__all__ = [
+    "WholeParameters",
+    "explain_sharded_view",
+    "whole_parameters_in_hooks",
+    "hooks_read_parameters",
+    "whole_bytes",
+]
 
 HOOK = "on_before_optimizer_step"
 
@@ -36,7 +42,11 @@ def hooks_read_parameters(module: nn.Module, callbacks: list[Callback]) -> list[
     """Who overrides ``on_before_optimizer_step``: the module and callbacks by class name (empty: nobody)."""
     from lightning.pytorch import LightningModule
 
-    found = [type(module).__name__] if isinstance(module, LightningModule) and is_overridden(HOOK, module, LightningModule) else []
+    found = (
+        [type(module).__name__]
+        if isinstance(module, LightningModule) and is_overridden(HOOK, module, LightningModule)
+        else []
+    )
     return found + [type(c).__name__ for c in callbacks if is_overridden(HOOK, c, Callback)]
 
 

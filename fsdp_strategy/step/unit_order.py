@@ -73,7 +73,9 @@ class UnitOrder:
         self._grouped = [len(members) > 1 for members, _ in units]
         self._in_backward = False
         self.reset()
-        self._handles = [m.register_forward_pre_hook(self._recorder(i)) for i, (members, _) in enumerate(units) for m in members]
+        self._handles = [
+            m.register_forward_pre_hook(self._recorder(i)) for i, (members, _) in enumerate(units) for m in members
+        ]
 
     @classmethod
     def attach(cls, model: nn.Module, *, group: dist.ProcessGroup | None = None) -> UnitOrder | None:
@@ -192,7 +194,7 @@ def _fix(order: UnitOrder, culprits: Sequence[int]) -> str:
     else:
         fix = f"Fix: leave them out of the units, so that they are gathered with the rest of the model outside the blocks, once per step on every rank: {policy}."
     return (
-        f"{fix} (wrap_policy=\"auto\" makes a unit of each child of an nn.ModuleList or nn.Sequential that holds"
+        f'{fix} (wrap_policy="auto" makes a unit of each child of an nn.ModuleList or nn.Sequential that holds'
         " two or more modules of one class; an explicit wrap_policy chooses instead.)"
     )
 

@@ -45,9 +45,15 @@ def _consolidate(args: argparse.Namespace) -> int:
                 weights_only=args.weights_only,
             )
         else:
-            for option, value in (("--prefix", args.prefix), ("--max-shard-size", args.max_shard_size), ("--config-from", args.config_from)):
+            for option, value in (
+                ("--prefix", args.prefix),
+                ("--max-shard-size", args.max_shard_size),
+                ("--config-from", args.config_from),
+            ):
                 if value is not None:
-                    raise ValueError(f"{option} is an option of --format safetensors; got {value!r} with --format lightning")
+                    raise ValueError(
+                        f"{option} is an option of --format safetensors; got {value!r} with --format lightning"
+                    )
             summary = consolidate(
                 args.checkpoint_dir,
                 args.output_file,
@@ -55,7 +61,12 @@ def _consolidate(args: argparse.Namespace) -> int:
                 progress=args.progress,
                 weights_only=args.weights_only,
             )
-    except (ImportError, OSError, TypeError, ValueError) as exc:  # a missing, foreign or damaged checkpoint; an existing output; disk full
+    except (
+        ImportError,
+        OSError,
+        TypeError,
+        ValueError,
+    ) as exc:  # a missing, foreign or damaged checkpoint; an existing output; disk full
         message = " ".join(str(exc).split())
         print(f"fsdp-strategy consolidate: error: {message}", file=sys.stderr)
         return 2
@@ -109,19 +120,39 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", default="32-true", choices=ACCEPTED_PRECISIONS, help="default: 32-true")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
     parser.add_argument("--budget", help="memory per rank, e.g. 80GiB, 80GB, 512MiB or plain bytes")
-    parser.add_argument("--batch-size", type=_positive_int, metavar="B",
-                        help="samples per rank and forward (the Trainer's batch size): trace a training step for the"
-                        " peak with activations")
-    parser.add_argument("--seq-len", type=_positive_int, metavar="T",
-                        help="the batch is (tokens, targets), two int64 tensors of B x T")
-    parser.add_argument("--sample-batch", metavar="MODULE:function",
-                        help="instead of --seq-len: a function returning a batch of n samples")
-    parser.add_argument("--activation-checkpointing", metavar="POLICY",
-                        help="also with activation checkpointing of these modules: comma-separated class names, or auto")
-    parser.add_argument("--accumulate-grad-batches", type=_positive_int, default=1, metavar="N",
-                        help="micro-batches per optimizer step (default: 1)")
-    parser.add_argument("--processes-per-node", type=_positive_int, metavar="N",
-                        help="fsdp2_hybrid's shard size (default: half the world size, i.e. 2 nodes)")
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="B",
+        help="samples per rank and forward (the Trainer's batch size): trace a training step for the"
+        " peak with activations",
+    )
+    parser.add_argument(
+        "--seq-len", type=_positive_int, metavar="T", help="the batch is (tokens, targets), two int64 tensors of B x T"
+    )
+    parser.add_argument(
+        "--sample-batch",
+        metavar="MODULE:function",
+        help="instead of --seq-len: a function returning a batch of n samples",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        metavar="POLICY",
+        help="also with activation checkpointing of these modules: comma-separated class names, or auto",
+    )
+    parser.add_argument(
+        "--accumulate-grad-batches",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step (default: 1)",
+    )
+    parser.add_argument(
+        "--processes-per-node",
+        type=_positive_int,
+        metavar="N",
+        help="fsdp2_hybrid's shard size (default: half the world size, i.e. 2 nodes)",
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all of them)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=_estimate)
@@ -221,16 +252,27 @@ def _add_benchmark_parser(commands: argparse._SubParsersAction) -> None:
         " 'benchmarks' extra: pip install 'fsdp-strategy[benchmarks]'.",
     )
     model = parser.add_argument_group("model (default: the example GPT, --size small)")
-    model.add_argument("--model", metavar="MODULE:Class", help="a LightningModule whose forward maps token ids"
-                       " (batch, seq) to logits (batch, seq, vocab)")
+    model.add_argument(
+        "--model",
+        metavar="MODULE:Class",
+        help="a LightningModule whose forward maps token ids (batch, seq) to logits (batch, seq, vocab)",
+    )
     model.add_argument("--init-args", metavar="JSON", help="the --model's constructor arguments, a JSON object")
-    model.add_argument("--size", help=f"the example GPT's size: {', '.join(GPT_SIZES)} (0.12M, 11M, 25M, 116M parameters)")
-    parser.add_argument("--strategies", default="ddp,fsdp2,fsdp2_grad_op,model_parallel,raw_fsdp2",
-                        help="comma-separated (default: all of them); fsdp2 and fsdp2_grad_op also as A/B variants:"
-                        " NAME:OPTION=VALUE (an FSDP2Strategy option, e.g. fsdp2:host_memory=keep) and"
-                        " NAME:init=meta (the model built in trainer.init_module(empty_init=True))")
-    parser.add_argument("--baseline", metavar="STRATEGY", help="one of --strategies: also compare the others with it,"
-                        " round by round (memory and CPU time per step)")
+    model.add_argument(
+        "--size", help=f"the example GPT's size: {', '.join(GPT_SIZES)} (0.12M, 11M, 25M, 116M parameters)"
+    )
+    parser.add_argument(
+        "--strategies",
+        default="ddp,fsdp2,fsdp2_grad_op,model_parallel,raw_fsdp2",
+        help="comma-separated (default: all of them); fsdp2 and fsdp2_grad_op also as A/B variants:"
+        " NAME:OPTION=VALUE (an FSDP2Strategy option, e.g. fsdp2:host_memory=keep) and"
+        " NAME:init=meta (the model built in trainer.init_module(empty_init=True))",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="STRATEGY",
+        help="one of --strategies: also compare the others with it, round by round (memory and CPU time per step)",
+    )
     parser.add_argument("--world-sizes", default="2", help="comma-separated numbers of CPU processes (default: 2)")
     parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed (default: 32-true)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default: 20)")
@@ -255,18 +297,38 @@ def build_parser() -> argparse.ArgumentParser:
         " one Lightning checkpoint file that loads with any strategy or none, or (--format safetensors) the model's"
         " weights as Hugging Face safetensors that from_pretrained loads.",
     )
-    consolidate.add_argument("checkpoint_dir", metavar="CKPT", help="the sharded checkpoint (a directory or a URL such as"
-                             " s3://bucket/run/last.ckpt); with --format safetensors also a checkpoint file")
-    consolidate.add_argument("output_file", metavar="OUT", help="the checkpoint file to write (--format safetensors: the folder)")
-    consolidate.add_argument("--format", choices=("lightning", "safetensors"), default="lightning",
-                             help="lightning: one Lightning checkpoint file (default); safetensors: the model's weights"
-                             " as save_pretrained writes them, for from_pretrained")
-    consolidate.add_argument("--prefix", help="safetensors: keep the weights under this LightningModule attribute and"
-                             " strip it, e.g. 'model.' for self.model = AutoModelForCausalLM...")
-    consolidate.add_argument("--max-shard-size", help="safetensors: split into files of at most this size with an index"
-                             " file, as save_pretrained does (default: 5GB)")
-    consolidate.add_argument("--config-from", metavar="PATH", help="safetensors: config.json (or a folder holding it) to"
-                             " write beside the weights; default: a config found in the checkpoint's hyper-parameters")
+    consolidate.add_argument(
+        "checkpoint_dir",
+        metavar="CKPT",
+        help="the sharded checkpoint (a directory or a URL such as"
+        " s3://bucket/run/last.ckpt); with --format safetensors also a checkpoint file",
+    )
+    consolidate.add_argument(
+        "output_file", metavar="OUT", help="the checkpoint file to write (--format safetensors: the folder)"
+    )
+    consolidate.add_argument(
+        "--format",
+        choices=("lightning", "safetensors"),
+        default="lightning",
+        help="lightning: one Lightning checkpoint file (default); safetensors: the model's weights"
+        " as save_pretrained writes them, for from_pretrained",
+    )
+    consolidate.add_argument(
+        "--prefix",
+        help="safetensors: keep the weights under this LightningModule attribute and"
+        " strip it, e.g. 'model.' for self.model = AutoModelForCausalLM...",
+    )
+    consolidate.add_argument(
+        "--max-shard-size",
+        help="safetensors: split into files of at most this size with an index"
+        " file, as save_pretrained does (default: 5GB)",
+    )
+    consolidate.add_argument(
+        "--config-from",
+        metavar="PATH",
+        help="safetensors: config.json (or a folder holding it) to"
+        " write beside the weights; default: a config found in the checkpoint's hyper-parameters",
+    )
     consolidate.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
     consolidate.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     consolidate.add_argument(

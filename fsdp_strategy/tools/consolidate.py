@@ -125,7 +125,9 @@ def consolidate_checkpoint(
     for option, value in (("prefix", prefix), ("max_shard_size", max_shard_size), ("config_from", config_from)):
         if value is not None:
             raise ValueError(f"`{option}` is an option of format='safetensors'; got {value!r} with format='lightning'.")
-    return consolidate_to_file(checkpoint_dir, output_file, overwrite=overwrite, progress=progress, weights_only=weights_only).path
+    return consolidate_to_file(
+        checkpoint_dir, output_file, overwrite=overwrite, progress=progress, weights_only=weights_only
+    ).path
 
 
 def consolidate_to_file(
@@ -232,7 +234,9 @@ def _index_keyed(state: dict[str, Any], name: str, source: Path) -> dict[str, An
     per_param = state.get("state", {})  # DCP saves nothing for an optimizer that has not stepped yet
     unknown = [param for param in per_param if param not in index]
     if unknown:
-        shown = ", ".join(repr(param) for param in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        shown = ", ".join(repr(param) for param in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
         raise ValueError(f"cannot consolidate {source}: {name} has state for parameters in no param group: {shown}")
     return {
         "state": {index[param]: per_param[param] for param in names if param in per_param},

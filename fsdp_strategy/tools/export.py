@@ -120,7 +120,9 @@ def export_safetensors(
 
     target = Path(out_dir)
     split = _split(kept, limit)
-    names = list(split.filename_to_tensors) + ([INDEX_NAME] if split.is_sharded else []) + ([CONFIG_NAME] if config else [])
+    names = (
+        list(split.filename_to_tensors) + ([INDEX_NAME] if split.is_sharded else []) + ([CONFIG_NAME] if config else [])
+    )
     _check_output(target, names, overwrite)
     target.mkdir(parents=True, exist_ok=True)
     by_name = {entry.name: entry for entry in kept}
@@ -143,7 +145,12 @@ def export_safetensors(
         if _is_weights_file(name) and name not in names:
             (target / name).unlink()
     return ExportSummary(
-        target, list(split.filename_to_tensors), len(kept), sum(e.nbytes for e in kept), total - len(kept), config_origin
+        target,
+        list(split.filename_to_tensors),
+        len(kept),
+        sum(e.nbytes for e in kept),
+        total - len(kept),
+        config_origin,
     )
 
 
@@ -219,7 +226,9 @@ def _check_output(target: Path, names: list[str], overwrite: bool) -> None:
         return
     taken = sorted(name for name in os.listdir(target) if name in names or _is_weights_file(name))
     if taken:
-        raise FileExistsError(f"{target} already holds {', '.join(taken)}; pass overwrite=True (--overwrite) to replace them")
+        raise FileExistsError(
+            f"{target} already holds {', '.join(taken)}; pass overwrite=True (--overwrite) to replace them"
+        )
 
 
 def _is_weights_file(name: str) -> bool:
@@ -232,7 +241,11 @@ def _header(entries: list[WeightEntry]) -> bytes:
     for entry in entries:
         if entry.dtype not in _DTYPES:
             raise ValueError(f"safetensors has no dtype for '{entry.name}' ({entry.dtype}).")
-        header[entry.name] = {"dtype": _DTYPES[entry.dtype], "shape": list(entry.shape), "data_offsets": [start, start + entry.nbytes]}
+        header[entry.name] = {
+            "dtype": _DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [start, start + entry.nbytes],
+        }
         start += entry.nbytes
     data = json.dumps(header, separators=(",", ":")).encode()
     data += b" " * (-len(data) % 8)  # the data that follows starts 8-byte aligned
@@ -248,7 +261,9 @@ def _write_file(path: Path, entries: list[WeightEntry], bar: Any) -> None:
                 written = 0
                 for block in entry.blocks():
                     block = block.detach().contiguous()
-                    data = block.reshape(-1).view(torch.uint8) if block.numel() else block.new_empty(0, dtype=torch.uint8)
+                    data = (
+                        block.reshape(-1).view(torch.uint8) if block.numel() else block.new_empty(0, dtype=torch.uint8)
+                    )
                     file.write(memoryview(data.numpy()))
                     written += data.numel()
                     del block, data

@@ -34,7 +34,9 @@ def regressions(results: dict, allowed: list[str]) -> tuple[list[str], list[str]
     unlisted, listed = [], []
     for row in results["rows"]:
         if row["baseline"][0] == "PASS" and row[target][0] != "PASS":
-            (listed if any(row["id"].endswith(a) for a in allowed) else unlisted).append(f"{row['id']}: {row[target][0]}")
+            (listed if any(row["id"].endswith(a) for a in allowed) else unlisted).append(
+                f"{row['id']}: {row[target][0]}"
+            )
     return unlisted, listed
 
 
@@ -45,8 +47,10 @@ def main(directories: list[str]) -> int:
         results = json.loads((Path(directory) / "results.json").read_text())
         unlisted, listed = regressions(results, allowed)
         passing = sum(1 for row in results["rows"] if row["baseline"][0] == "PASS")
-        print(f"{directory}: {passing - len(unlisted) - len(listed)}/{passing} tests that pass unmodified pass under fsdp2;"
-              f" {len(listed)} documented difference(s), {len(unlisted)} regression(s)")
+        print(
+            f"{directory}: {passing - len(unlisted) - len(listed)}/{passing} tests that pass unmodified pass under fsdp2;"
+            f" {len(listed)} documented difference(s), {len(unlisted)} regression(s)"
+        )
         for line in unlisted:
             print(f"  REGRESSION {line}")
         failed |= bool(unlisted)

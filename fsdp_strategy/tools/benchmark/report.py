@@ -15,10 +15,27 @@ from typing import Any
 __all__ = ["CSV_FIELDS", "RATIOS", "format_table", "job_figures", "plot", "summarize", "write_csv", "write_json"]
 
 CSV_FIELDS = (
-    "strategy", "world_size", "repeat", "rank", "params", "precision", "batch_size", "seq_len",
-    "rss_after_imports_bytes", "peak_rss_bytes", "growth_bytes", "train_growth_bytes", "stage_end_s",
-    "model_state_bytes", "model_state_total_bytes",
-    "model_state_over_ideal", "step_time_s", "cpu_time_s", "samples_per_s", "tokens_per_s", "loss_last",
+    "strategy",
+    "world_size",
+    "repeat",
+    "rank",
+    "params",
+    "precision",
+    "batch_size",
+    "seq_len",
+    "rss_after_imports_bytes",
+    "peak_rss_bytes",
+    "growth_bytes",
+    "train_growth_bytes",
+    "stage_end_s",
+    "model_state_bytes",
+    "model_state_total_bytes",
+    "model_state_over_ideal",
+    "step_time_s",
+    "cpu_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "loss_last",
 )
 
 # A job's figure is its worst rank's: the most memory, the slowest step (its ranks wait for each other anyway).
@@ -53,8 +70,13 @@ LABELS = {
     "model_parallel": "ModelParallelStrategy + configure_model",
     "raw_fsdp2": "raw FSDP2 loop, no Lightning",
 }
-COLORS = {"ddp": "#8c8c8c", "fsdp2": "#1f77b4", "fsdp2_grad_op": "#7fb8e0", "model_parallel": "#ff7f0e",
-          "raw_fsdp2": "#2ca02c"}
+COLORS = {
+    "ddp": "#8c8c8c",
+    "fsdp2": "#1f77b4",
+    "fsdp2_grad_op": "#7fb8e0",
+    "model_parallel": "#ff7f0e",
+    "raw_fsdp2": "#2ca02c",
+}
 
 # With ``--baseline NAME`` (an A/B candidate against what it would replace): these, over NAME's same-round job.
 BASELINE_RATIOS = (
@@ -72,7 +94,10 @@ def job_figures(rows: list[dict[str, Any]]) -> dict[Job, dict[str, float]]:
     ranks: dict[Job, list[dict[str, Any]]] = {}
     for row in rows:
         ranks.setdefault((row["strategy"], row["world_size"], row["repeat"]), []).append(row)
-    return {job: {name: pick(r[name] for r in job_rows) for name, pick in FIGURES.items()} for job, job_rows in ranks.items()}
+    return {
+        job: {name: pick(r[name] for r in job_rows) for name, pick in FIGURES.items()}
+        for job, job_rows in ranks.items()
+    }
 
 
 def summarize(rows: list[dict[str, Any]], baseline: str | None = None) -> list[dict[str, Any]]:
@@ -125,8 +150,10 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     baseline = summary[0].get("baseline") if summary else None
     if baseline is not None:
-        header += (f" memory vs {baseline} [min, max] | until training ended vs {baseline} [min, max]"
-                   f" | CPU vs {baseline} [min, max] |")
+        header += (
+            f" memory vs {baseline} [min, max] | until training ended vs {baseline} [min, max]"
+            f" | CPU vs {baseline} [min, max] |"
+        )
         rule += "---:|---:|---:|"
     lines = [header, rule]
     for e in summary:
@@ -148,8 +175,11 @@ def format_table(summary: list[dict[str, Any]]) -> str:
             _ratio(e["train_growth_over_ddp"]),
         ]
         if baseline is not None:
-            cells += [_ratio_range(e, "growth_over_baseline"), _ratio_range(e, "train_growth_over_baseline"),
-                      _ratio_range(e, "cpu_time_over_baseline")]
+            cells += [
+                _ratio_range(e, "growth_over_baseline"),
+                _ratio_range(e, "train_growth_over_baseline"),
+                _ratio_range(e, "cpu_time_over_baseline"),
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -175,20 +205,34 @@ def plot(summary: list[dict[str, Any]], path: Path, *, title: str) -> None:
     strategies = list(dict.fromkeys(e["strategy"] for e in summary))
     worlds = sorted({e["world_size"] for e in summary})
     width = 0.8 / len(strategies)
-    rate_scale, rate_unit = (1e-3, "thousand tokens / s") if max(e["tokens_per_s"] for e in summary) >= 1e3 else (1, "tokens / s")
+    rate_scale, rate_unit = (
+        (1e-3, "thousand tokens / s") if max(e["tokens_per_s"] for e in summary) >= 1e3 else (1, "tokens / s")
+    )
     fig = Figure(figsize=(13, 5.6), layout="constrained")
     memory, speed = fig.subplots(1, 2)
     for i, strategy in enumerate(strategies):
-        entries = [next((e for e in summary if e["strategy"] == strategy and e["world_size"] == w), None) for w in worlds]
+        entries = [
+            next((e for e in summary if e["strategy"] == strategy and e["world_size"] == w), None) for w in worlds
+        ]
         xs = [j + (i - (len(strategies) - 1) / 2) * width for j, e in enumerate(entries) if e is not None]
         present = [e for e in entries if e is not None]
         color = COLORS.get(strategy, f"C{i}")
         growth = _bars(memory, xs, present, "growth_bytes", 2**-30, width, color, alpha=0.45)
         _bars(memory, xs, present, "model_state_bytes", 2**-30, width, color, alpha=1.0, whiskers=False)
-        memory.bar_label(growth, labels=[_ratio_label(e["growth_over_ddp"], "ddp") for e in present], fontsize=8,
-                         padding=2)
-        rate = _bars(speed, xs, present, "tokens_per_s", rate_scale, width, color, alpha=1.0,
-                     label=LABELS.get(strategy, strategy))
+        memory.bar_label(
+            growth, labels=[_ratio_label(e["growth_over_ddp"], "ddp") for e in present], fontsize=8, padding=2
+        )
+        rate = _bars(
+            speed,
+            xs,
+            present,
+            "tokens_per_s",
+            rate_scale,
+            width,
+            color,
+            alpha=1.0,
+            label=LABELS.get(strategy, strategy),
+        )
         speed.bar_label(rate, labels=[f"{e['tokens_per_s'] * rate_scale:.3g}" for e in present], fontsize=8, padding=2)
     for axis in (memory, speed):
         axis.set_xticks(range(len(worlds)), [f"{w} rank{'s' if w > 1 else ''}" for w in worlds])
@@ -196,13 +240,17 @@ def plot(summary: list[dict[str, Any]], path: Path, *, title: str) -> None:
         axis.grid(axis="y", alpha=0.3)
         axis.set_axisbelow(True)
         axis.margins(y=0.12)
-    memory.set_title("Host memory growth per rank (peak RSS − RSS after imports)\ndark: parameters + gradients +"
-                     " optimizer state; label: ratio to DDP", fontsize=10)
+    memory.set_title(
+        "Host memory growth per rank (peak RSS − RSS after imports)\ndark: parameters + gradients +"
+        " optimizer state; label: ratio to DDP",
+        fontsize=10,
+    )
     memory.set_ylabel("GiB per rank (worst rank)")
     speed.set_title("Training throughput, all ranks together\n(median step after warm-up)", fontsize=10)
     speed.set_ylabel(rate_unit)
-    fig.legend(*speed.get_legend_handles_labels(), loc="outside lower center", ncols=len(strategies), fontsize=9,
-               frameon=False)
+    fig.legend(
+        *speed.get_legend_handles_labels(), loc="outside lower center", ncols=len(strategies), fontsize=9, frameon=False
+    )
     fig.suptitle(title, fontsize=11)
     fig.savefig(path, dpi=120)
 
@@ -211,10 +259,21 @@ def _bars(axis, xs, entries, name, scale, width, color, *, alpha, whiskers=True,
     values = [e[name] * scale for e in entries]
     errors = None
     if whiskers:  # the range over repeats
-        errors = [[v - e[f"{name}_min"] * scale for v, e in zip(values, entries)],
-                  [e[f"{name}_max"] * scale - v for v, e in zip(values, entries)]]
-    return axis.bar(xs, values, width, yerr=errors, color=color, alpha=alpha, label=label, capsize=3,
-                    error_kw={"elinewidth": 1, "alpha": 0.7})
+        errors = [
+            [v - e[f"{name}_min"] * scale for v, e in zip(values, entries)],
+            [e[f"{name}_max"] * scale - v for v, e in zip(values, entries)],
+        ]
+    return axis.bar(
+        xs,
+        values,
+        width,
+        yerr=errors,
+        color=color,
+        alpha=alpha,
+        label=label,
+        capsize=3,
+        error_kw={"elinewidth": 1, "alpha": 0.7},
+    )
 
 
 def _ratio_label(value: float | None, reference: str) -> str:

@@ -74,15 +74,30 @@ def parse_strategies(text: str) -> list[str]:
 
 
 def validate(
-    *, model: str | None, init_args: dict[str, Any] | None, size: str | None, strategies: Sequence[str],
-    world_sizes: Sequence[int], precision: str, steps: int, warmup: int, repeats: int, batch_size: int, seq_len: int,
+    *,
+    model: str | None,
+    init_args: dict[str, Any] | None,
+    size: str | None,
+    strategies: Sequence[str],
+    world_sizes: Sequence[int],
+    precision: str,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    batch_size: int,
+    seq_len: int,
     vocab_size: int,
 ) -> tuple[str, dict[str, Any]]:
     """Checks the options before any job starts (the model is imported later, by :func:`run_benchmark`);
     returns the model as ``MODULE:Class`` and its constructor arguments."""
-    for option, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--repeats", repeats, 1),
-                               ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
-                               ("--vocab-size", vocab_size, 1)):
+    for option, value, low in (
+        ("--steps", steps, 1),
+        ("--warmup", warmup, 0),
+        ("--repeats", repeats, 1),
+        ("--batch-size", batch_size, 1),
+        ("--seq-len", seq_len, 1),
+        ("--vocab-size", vocab_size, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{option}` must be an integer >= {low}; got {value!r}.")
     if precision not in PRECISIONS:
@@ -91,8 +106,10 @@ def validate(
     if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in world_sizes):
         raise ValueError(f"`--world-sizes` must be positive integers; got {world_sizes!r}.")
     if model is not None and size is not None:
-        raise ValueError(f"`--model` and `--size` exclude each other (`--size` picks the example GPT); got --model"
-                         f" {model!r} and --size {size!r}.")
+        raise ValueError(
+            f"`--model` and `--size` exclude each other (`--size` picks the example GPT); got --model"
+            f" {model!r} and --size {size!r}."
+        )
     if model is None:
         if init_args is not None:
             raise ValueError("`--init-args` goes with `--model`; the example GPT's arguments come from `--size`.")
@@ -135,25 +152,60 @@ def run_benchmark(
     by round), writes ``results.csv``, ``results.json`` and ``plot.png`` to ``out``, prints the
     summary table and returns the summary (one entry per strategy and world size)."""
     spec, model_args = validate(
-        model=model, init_args=init_args, size=size, strategies=strategies, world_sizes=world_sizes,
-        precision=precision, steps=steps, warmup=warmup, repeats=repeats, batch_size=batch_size, seq_len=seq_len,
+        model=model,
+        init_args=init_args,
+        size=size,
+        strategies=strategies,
+        world_sizes=world_sizes,
+        precision=precision,
+        steps=steps,
+        warmup=warmup,
+        repeats=repeats,
+        batch_size=batch_size,
+        seq_len=seq_len,
         vocab_size=vocab_size,
     )
     if baseline is not None and baseline not in strategies:
         raise ValueError(f"`--baseline` must be one of the --strategies ({', '.join(strategies)}); got {baseline!r}.")
     require_extras()
     load_model_class(spec)  # a wrong --model fails here, once, not in every job
-    worker_args = ["--model", spec, "--init-args", json.dumps(model_args), "--precision", precision,
-                   "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--vocab-size", str(vocab_size),
-                   "--warmup", str(warmup), "--steps", str(steps)]
+    worker_args = [
+        "--model",
+        spec,
+        "--init-args",
+        json.dumps(model_args),
+        "--precision",
+        precision,
+        "--batch-size",
+        str(batch_size),
+        "--seq-len",
+        str(seq_len),
+        "--vocab-size",
+        str(vocab_size),
+        "--warmup",
+        str(warmup),
+        "--steps",
+        str(steps),
+    ]
     rows = _run_jobs(interleaved_jobs(strategies, world_sizes, repeats), worker_args, progress=progress)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows, baseline)
-    config = _config(spec, model_args, rows, strategies=strategies, world_sizes=world_sizes, precision=precision,
-                     steps=steps, warmup=warmup, repeats=repeats, batch_size=batch_size, seq_len=seq_len,
-                     baseline=baseline)
+    config = _config(
+        spec,
+        model_args,
+        rows,
+        strategies=strategies,
+        world_sizes=world_sizes,
+        precision=precision,
+        steps=steps,
+        warmup=warmup,
+        repeats=repeats,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        baseline=baseline,
+    )
     write_csv(rows, out / "results.csv")
     write_json(rows, summary, config, out / "results.json")
     plot(summary, out / "plot.png", title=config["title"])
@@ -179,12 +231,29 @@ def _launch(job: Job, worker_args: list[str], *, progress: bool) -> list[dict[st
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="fsdp-benchmark-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.world_size}",
-               "-m", "fsdp_strategy.tools.benchmark.worker", "--strategy", job.strategy, *worker_args, "--out", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={job.world_size}",
+            "-m",
+            "fsdp_strategy.tools.benchmark.worker",
+            "--strategy",
+            job.strategy,
+            *worker_args,
+            "--out",
+            tmp,
+        ]
         tail: collections.deque[str] = collections.deque(maxlen=40)
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment()) as proc, \
-                tqdm(desc=f"  {job.strategy} x{job.world_size}", unit="batch", disable=not progress, position=1,
-                     leave=False) as bar:
+        with (
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment()
+            ) as proc,
+            tqdm(
+                desc=f"  {job.strategy} x{job.world_size}", unit="batch", disable=not progress, position=1, leave=False
+            ) as bar,
+        ):
             for line in proc.stdout:  # type: ignore[union-attr]
                 if line.startswith(PROGRESS_PREFIX):
                     done, total = map(int, line.split()[-1].split("/"))
@@ -214,9 +283,11 @@ def _config(spec: str, model_args: dict[str, Any], rows: list[dict[str, Any]], *
 
     params = rows[0]["params"]
     name = "example GPT" if spec == GPT_SPEC else spec
-    title = (f"{name}, {params / 1e6:.1f}M parameters, {options['precision']}, AdamW;"
-             f" {options['batch_size']} x {options['seq_len']} tokens per rank and step; CPU (gloo), 1 thread per rank;"
-             f" median of {options['repeats']} repeat{'s' if options['repeats'] > 1 else ''}")
+    title = (
+        f"{name}, {params / 1e6:.1f}M parameters, {options['precision']}, AdamW;"
+        f" {options['batch_size']} x {options['seq_len']} tokens per rank and step; CPU (gloo), 1 thread per rank;"
+        f" median of {options['repeats']} repeat{'s' if options['repeats'] > 1 else ''}"
+    )
     # glibc's mmap threshold moves peak host memory by a quarter to a third on CPU (docs/benchmarks.md): say when it was set.
     mmap_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     if mmap_threshold is not None:
@@ -229,8 +300,15 @@ def _config(spec: str, model_args: dict[str, Any], rows: list[dict[str, Any]], *
         "params": params,
         **options,
         "title": title,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "lightning": lightning.__version__, "backend": "gloo",
-                    "threads_per_rank": 1, "malloc_mmap_threshold": mmap_threshold},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "backend": "gloo",
+            "threads_per_rank": 1,
+            "malloc_mmap_threshold": mmap_threshold,
+        },
         "jobs_in_order": [asdict(Job(r["strategy"], r["world_size"], r["repeat"])) for r in rows if r["rank"] == 0],
     }

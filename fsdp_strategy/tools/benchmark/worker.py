@@ -69,8 +69,9 @@ SEED = 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--strategy", type=_variant, required=True, help="a strategy or a variant (fsdp2:OPTION=VALUE)")
     p.add_argument("--model", required=True, help="MODULE:Class of a LightningModule")
     p.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")
@@ -87,8 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _variant(text: str) -> str:
     parse_variant(text)  # a wrong one fails here, named
     return text
-
-
 
 
 # --- the shared model, data, loss and optimizer -------------------------------------------------------------------
@@ -143,8 +142,11 @@ def _configure_optimizers(self: L.LightningModule) -> torch.optim.Optimizer:
 def _configure_model_by_hand(self: L.LightningModule) -> None:
     if isinstance(self, FSDPModule):
         return
-    shard_by_hand(self, self.device_mesh["data_parallel"], mixed_precision_policy(self.trainer.precision)
-                  or MixedPrecisionPolicy())
+    shard_by_hand(
+        self,
+        self.device_mesh["data_parallel"],
+        mixed_precision_policy(self.trainer.precision) or MixedPrecisionPolicy(),
+    )
     # Lightning calls training_step, not forward: route it through the root's FSDP hooks.
     register_fsdp_forward_method(self, "training_step")
 
@@ -220,7 +222,9 @@ def held_and_full_state_bytes(
     return held_bytes(tensors) + grads[0], full_bytes(tensors) + grads[1]
 
 
-def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, rank: int, world_size: int) -> tuple:
+def run_lightning(
+    args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, rank: int, world_size: int
+) -> tuple:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     variant = parse_variant(args.strategy)
@@ -237,9 +241,17 @@ def run_lightning(args: argparse.Namespace, cls: type, init_args: dict, log: Ste
         strategy = registered["strategy"](**options)
     probe = _Probe(log)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, precision=args.precision,
-        max_steps=batches_per_run(args), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=batches_per_run(args),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         use_distributed_sampler=False,  # Lightning's own sampler shuffles: the strategies would see other batches
         callbacks=[probe],
     )
@@ -275,8 +287,16 @@ def run_raw(args: argparse.Namespace, cls: type, init_args: dict, log: StepLog, 
     return state, sum(p.numel() for p in model.parameters())
 
 
-def result_row(args: argparse.Namespace, *, rank: int, world_size: int, params: int, state: tuple[int, int],
-               log: StepLog, rss_after_imports: int) -> dict:
+def result_row(
+    args: argparse.Namespace,
+    *,
+    rank: int,
+    world_size: int,
+    params: int,
+    state: tuple[int, int],
+    log: StepLog,
+    rss_after_imports: int,
+) -> dict:
     walls, cpus = log.step_times(args.warmup, args.steps)
     step_time = statistics.median(walls)
     peak = peak_rss_bytes()
@@ -319,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     log = StepLog(batches_per_run(args), progress=rank == 0)
     run = run_raw if args.strategy == "raw_fsdp2" else run_lightning
     state, params = run(args, cls, json.loads(args.init_args), log, rank, world_size)
-    row = result_row(args, rank=rank, world_size=world_size, params=params, state=state, log=log,
-                     rss_after_imports=rss_after_imports)
+    row = result_row(
+        args, rank=rank, world_size=world_size, params=params, state=state, log=log, rss_after_imports=rss_after_imports
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(row))
     if dist.is_initialized():
