@@ -26,13 +26,14 @@ from fsdp_strategy import host_memory
 from fsdp_strategy._compat import reset_iter_state
 from fsdp_strategy.launch.rendezvous import all_ranks_agree
 from fsdp_strategy.options import HostMemory, Options
-from fsdp_strategy.sharding import pruning
+from fsdp_strategy.sharding import averaging, comm_pool, pruning
 from fsdp_strategy.sharding.deferred_init import (
     has_meta_tensors,
     materialize,
     records_by_name,
 )
 from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
     ShardedUnit,
     apply_activation_checkpointing,
@@ -42,7 +43,6 @@ from fsdp_strategy.sharding.parallelize import (
     plan_units,
 )
 from fsdp_strategy.sharding.policy import class_name, select_modules
-from fsdp_strategy.sharding.precision import mixed_precision_policy
 from fsdp_strategy.sharding.unshard import (
     ShardingSnapshot,
     full_state_bytes,
@@ -50,7 +50,6 @@ from fsdp_strategy.sharding.unshard import (
     unshard,
 )
 from fsdp_strategy.sizes import format_bytes
-from fsdp_strategy.step import averaging, comm_pool
 from fsdp_strategy.step.buffer_sync import check_sync_batchnorm, sync_module_states
 from fsdp_strategy.step.hooks import StepHooks
 

@@ -34,14 +34,15 @@ from fsdp_strategy.checkpoint.resume_last import ResumingLauncher
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.launch.process_group import ProcessGroup
 from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_options
-from fsdp_strategy.sharding import precision as plugins
+from fsdp_strategy.plugins import precision as plugins
+from fsdp_strategy.sharding import averaging, hook_view
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
 from fsdp_strategy.sharding.mesh import build_device_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
 from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.stage import ModuleSharding, ShardingPlan
-from fsdp_strategy.step import averaging, hook_view, unused
+from fsdp_strategy.step import unused
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHooks

@@ -19,8 +19,8 @@ from torch import nn
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.estimator.model_state import estimate_module
 from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
-from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.flops import datasheet_flops
+from fsdp_strategy.monitor.plan_costs import estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.summary import format_summary, summarize
 from testkit.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
 

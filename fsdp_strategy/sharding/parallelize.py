@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy._compat import tree_map
+from fsdp_strategy.sharding.mixed_precision import FULL_PRECISION_POLICY, is_normalization
 from fsdp_strategy.sharding.policy import ModulePolicy, select_modules
-from fsdp_strategy.sharding.precision import FULL_PRECISION_POLICY, is_normalization
 
 __all__ = [
     "no_gradient_sync",
