@@ -3,8 +3,7 @@
 ``ModuleSharding`` holds what one stage's sharding leaves behind (the snapshot of the module before it, the
 hooks that load full tensors into shards, FSDP2's gathered parameters, the pooled collective buffers,
 WeightAveraging's sharded copies) and gives the plain module back after a stage that ended normally.
-``ShardingArguments`` is what the strategy hands it for one stage, ``ShardingPlan`` what a cost model needs to know
-about it.
+``ShardingArguments`` is what the strategy hands it for one stage.
 """
 
 from __future__ import annotations
@@ -58,22 +57,11 @@ __all__ = [
     "SYNC_BUCKET_BYTES",
     "ModuleSharding",
     "ShardingArguments",
-    "ShardingPlan",
     "is_sharded",
     "reshard_after_an_error",
 ]
 
 SYNC_BUCKET_BYTES = 4 * 1024 * 1024  # larger tensors go alone, without a copy
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    """How :class:`FSDP2Strategy` shards a model in the current world: what a cost model (the
-    estimator, through ``ShardingMonitor``) needs to know besides the model and the Trainer."""
-
-    mesh_shape: tuple[int, int]  # (replicate, shard)
-    reshard_after_forward: bool | int
-    cpu_offload: bool
 
 
 @dataclass(frozen=True)

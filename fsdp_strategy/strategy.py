@@ -39,9 +39,10 @@ from fsdp_strategy.sharding import averaging, hook_view
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
 from fsdp_strategy.sharding.mesh import build_device_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
+from fsdp_strategy.sharding.plan import ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
-from fsdp_strategy.stage import ModuleSharding, ShardingArguments, ShardingPlan
+from fsdp_strategy.stage import ModuleSharding, ShardingArguments
 from fsdp_strategy.step import unused
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard

@@ -1,6 +1,7 @@
 """How a module is split over the ranks and put back together.
 
 * ``mesh``: the device mesh (1-D, or hybrid: replicate across nodes, shard within);
+* ``plan``: how a model is sharded in the current world, as a cost model needs to know it;
 * ``policy``: which submodules become sharded units;
 * ``parallelize``: ``fully_shard`` on those units and the root, activation checkpointing, ``torch.compile``;
 * ``mixed_precision``: ``Trainer(precision=...)`` as FSDP2 mixed-precision policies (the Lightning precision
