@@ -1,6 +1,7 @@
 """Small verbs that turn a plain module into a sharded one: plan units, checkpoint, compile, shard.
 
-Each takes only what it needs and works without Lightning; ``FSDP2Strategy.setup`` calls them in order.
+Each takes only what it needs and works without Lightning; :meth:`fsdp_strategy.stage.ModuleSharding.parallelize`
+calls them in order.
 """
 
 from __future__ import annotations
