@@ -12,8 +12,8 @@ from fsdp_strategy.estimator.model_state import Estimate, estimate_module
 from fsdp_strategy.estimator.report import estimate
 from fsdp_strategy.launch.rendezvous import PeerLostError
 from fsdp_strategy.monitor import ShardingMonitor
+from fsdp_strategy.plugins.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.sharding.policy import PolicyInput
-from fsdp_strategy.sharding.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.step.guard import NonFiniteGradientError
 from fsdp_strategy.step.unit_order import UnitMismatchError
 from fsdp_strategy.strategy import FSDP2Strategy

@@ -5,7 +5,7 @@ Everything else in the package uses public torch and Lightning APIs. When one of
 or Lightning release, this is the one file to adapt; ``.ci/torch_matrix`` runs the tests on the oldest and the
 newest supported torch. One more private Lightning name is not here because it is a method the package overrides
 rather than calls: ``Precision._after_closure`` and ``Precision._clip_gradients`` (Lightning 2.0 to 2.6.6), in
-``fsdp_strategy.sharding.precision``, which run ``on_before_optimizer_step`` with whole parameters and clip after it.
+``fsdp_strategy.plugins.precision``, which run ``on_before_optimizer_step`` with whole parameters and clip after it.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def _param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
-# The collectives FSDP2 runs by default, for custom ones (fsdp_strategy.step.comm_pool). torch 2.13 renamed
+# The collectives FSDP2 runs by default, for custom ones (fsdp_strategy.sharding.comm_pool). torch 2.13 renamed
 # all_gather_into_tensor and reduce_scatter_tensor to *_single and deprecated the old names, which older
 # releases have alone.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -3,7 +3,7 @@
 ``ModuleSharding`` holds what one stage's sharding leaves behind (the snapshot of the module before it, the
 hooks that load full tensors into shards, FSDP2's gathered parameters, the pooled collective buffers,
 WeightAveraging's sharded copies) and gives the plain module back after a stage that ended normally.
-``ShardingPlan`` is what a cost model needs to know about it.
+``ShardingArguments`` is what the strategy hands it for one stage.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from fsdp_strategy import host_memory
 from fsdp_strategy._compat import reset_iter_state
 from fsdp_strategy.launch.rendezvous import all_ranks_agree
 from fsdp_strategy.options import HostMemory, Options
-from fsdp_strategy.sharding import pruning
+from fsdp_strategy.sharding import averaging, comm_pool, pruning
 from fsdp_strategy.sharding.deferred_init import (
     has_meta_tensors,
     materialize,
     records_by_name,
 )
 from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
     ShardedUnit,
     apply_activation_checkpointing,
@@ -42,7 +43,6 @@ from fsdp_strategy.sharding.parallelize import (
     plan_units,
 )
 from fsdp_strategy.sharding.policy import class_name, select_modules
-from fsdp_strategy.sharding.precision import mixed_precision_policy
 from fsdp_strategy.sharding.unshard import (
     ShardingSnapshot,
     full_state_bytes,
@@ -50,23 +50,31 @@ from fsdp_strategy.sharding.unshard import (
     unshard,
 )
 from fsdp_strategy.sizes import format_bytes
-from fsdp_strategy.step import averaging, comm_pool
 from fsdp_strategy.step.buffer_sync import check_sync_batchnorm, sync_module_states
 from fsdp_strategy.step.hooks import StepHooks
 
-__all__ = ["SYNC_BUCKET_BYTES", "ModuleSharding", "ShardingPlan", "is_sharded", "reshard_after_an_error"]
+__all__ = [
+    "SYNC_BUCKET_BYTES",
+    "ModuleSharding",
+    "ShardingArguments",
+    "is_sharded",
+    "reshard_after_an_error",
+]
 
 SYNC_BUCKET_BYTES = 4 * 1024 * 1024  # larger tensors go alone, without a copy
 
 
 @dataclass(frozen=True)
-class ShardingPlan:
-    """How :class:`FSDP2Strategy` shards a model in the current world: what a cost model (the
-    estimator, through ``ShardingMonitor``) needs to know besides the model and the Trainer."""
+class ShardingArguments:
+    """What :class:`ModuleSharding` shards a stage's module with, taken from the strategy once in its ``setup()``."""
 
+    precision: Precision  # the Trainer's plugin: it converts the module, and its precision picks the FSDP2 policy
+    mesh: DeviceMesh
     mesh_shape: tuple[int, int]  # (replicate, shard)
-    reshard_after_forward: bool | int
-    cpu_offload: bool
+    device: torch.device  # this rank's
+    host_group: Any  # the process group of host-side collectives (the buffers' broadcast)
+    init_weights: Callable[[nn.Module], None] | None  # loads `init_weights` into the sharded module
+    restore: Callable[[], None]  # loads what a checkpoint could not put in before sharding
 
 
 class ModuleSharding:
@@ -94,26 +102,24 @@ class ModuleSharding:
         self,
         model: nn.Module,
         callbacks: list[Any],
+        arguments: ShardingArguments,
         *,
         fitting: bool,
         layer_sync: LayerSync | None,
-        host_group: Any,
-        device: torch.device,
-        **shard: Any,
     ) -> nn.Module:
-        """The stage's module, sharded (see :meth:`shard` for ``shard``'s arguments), with WeightAveraging's copy
-        (made in the callback's setup, before sharding) sharded the same way."""
+        """The stage's module, sharded (:meth:`shard`), with WeightAveraging's copy (made in the callback's setup,
+        before sharding) sharded the same way."""
         averaging.refuse_stochastic_weight_averaging(callbacks)
         pruning.refuse_model_pruning(callbacks)
         if isinstance(model, FSDPModule):  # a module an earlier stage left sharded (too big to gather), moved to CPU
-            self.move_to_device(model, device)
-            sync_module_states(model, host_group=host_group)  # the buffers; shards cannot disagree
+            self.move_to_device(model, arguments.device)
+            sync_module_states(model, host_group=arguments.host_group)  # the buffers; shards cannot disagree
         else:
             if fitting:
                 if layer_sync is not None:  # Trainer(sync_batchnorm=True), converted before sharding as DDP does
                     model, self.layer_sync = layer_sync.apply(model), layer_sync
-                check_sync_batchnorm(model, device)
-            model = self.shard(model, host_group=host_group, device=device, **shard)
+                check_sync_batchnorm(model, arguments.device)
+            model = self.shard(model, arguments)
         self.averages = averaging.ShardedAverages.attach(callbacks, model)
         return model
 
@@ -138,43 +144,21 @@ class ModuleSharding:
             processes_per_node=per_node,
         )
 
-    def shard(
-        self,
-        model: nn.Module,
-        *,
-        precision: Precision,
-        mesh: DeviceMesh,
-        mesh_shape: tuple[int, int],
-        device: torch.device,
-        host_group: Any,
-        init_weights: Callable[[nn.Module], None] | None,
-        restore: Callable[[], None],
-    ) -> nn.Module:
+    def shard(self, model: nn.Module, arguments: ShardingArguments) -> nn.Module:
         """A plain module sharded: as DDP, every rank starts from rank 0's parameters and buffers, then
-        ``restore`` loads what a checkpoint could not put in before sharding."""
-        model = precision.convert_module(model)
+        ``arguments.restore`` loads what a checkpoint could not put in before sharding."""
+        model = arguments.precision.convert_module(model)
         # Small buckets: a flat copy of 250 MiB (DDP's) would sit on top of the eager full model, at the peak of a run.
-        sync_module_states(model, host_group=host_group, bucket_bytes=SYNC_BUCKET_BYTES)
-        self.parallelize(
-            model, precision=precision, mesh=mesh, mesh_shape=mesh_shape, device=device, init_weights=init_weights
-        )
-        restore()
+        sync_module_states(model, host_group=arguments.host_group, bucket_bytes=SYNC_BUCKET_BYTES)
+        self.parallelize(model, arguments)
+        arguments.restore()
         if self.options.host_memory == HostMemory.RELEASE:  # the eager full copy was freed when its shards were made
             host_memory.release()
         return model
 
-    def parallelize(
-        self,
-        model: nn.Module,
-        *,
-        precision: Precision,
-        mesh: DeviceMesh,
-        mesh_shape: tuple[int, int],
-        device: torch.device,
-        init_weights: Callable[[nn.Module], None] | None = None,
-    ) -> None:
+    def parallelize(self, model: nn.Module, arguments: ShardingArguments) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
-        options = self.options
+        options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
         self.before = ShardingSnapshot(model)
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
@@ -206,9 +190,9 @@ class ModuleSharding:
         self.move_to_device(model, device)
         self.gathered = gathered_parameters(model)
         self.before.pair_gathered(self.gathered)
-        if init_weights is not None:
-            init_weights(model)
-        self._log(model, units, was_meta, mesh_shape)
+        if arguments.init_weights is not None:
+            arguments.init_weights(model)
+        self._log(model, units, was_meta, arguments.mesh_shape)
 
     def mp_policy(self, precision: Precision) -> MixedPrecisionPolicy:
         """The policy the units are sharded with: explicit, else derived from ``Trainer(precision=...)``."""

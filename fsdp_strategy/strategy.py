@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
@@ -34,14 +34,16 @@ from fsdp_strategy.checkpoint.resume_last import ResumingLauncher
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.launch.process_group import ProcessGroup
 from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_options
-from fsdp_strategy.sharding import precision as plugins
+from fsdp_strategy.plugins import precision as plugins
+from fsdp_strategy.sharding import averaging, hook_view
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
 from fsdp_strategy.sharding.mesh import build_device_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
+from fsdp_strategy.sharding.plan import ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
-from fsdp_strategy.stage import ModuleSharding, ShardingPlan
-from fsdp_strategy.step import averaging, hook_view, unused
+from fsdp_strategy.stage import ModuleSharding, ShardingArguments
+from fsdp_strategy.step import unused
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHooks
@@ -265,10 +267,15 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.model = self.sharding.setup(
-            self.model, trainer.callbacks, fitting=fitting, layer_sync=self._layer_sync,  # type: ignore[attr-defined]
-            host_group=self.processes.host_group(), restore=self.checkpoints.restore_after_sharding, **self._shard_arguments(),
+        arguments = ShardingArguments(
+            precision=self.precision_plugin, mesh=self.device_mesh, mesh_shape=self.mesh_shape(),
+            device=self.root_device, host_group=self.processes.host_group(),
+            init_weights=self.checkpoints.init_weights_loader(), restore=self.checkpoints.restore_after_sharding,
         )  # fmt: skip
+        layer_sync = self._layer_sync  # type: ignore[attr-defined]
+        self.model = self.sharding.setup(
+            self.model, trainer.callbacks, arguments, fitting=fitting, layer_sync=layer_sync
+        )
         self.checkpoints.setup(self.model)
         self.barrier()
         self.step_hooks.close(wait=False)  # those a failed teardown left
@@ -284,20 +291,6 @@ class FSDP2Strategy(ParallelStrategy):
         self.precision_plugin.hook_view = hook_view.whole_parameters_in_hooks(
             self.model, owners, self.root_device, self.num_processes
         )  # type: ignore[attr-defined]
-
-    def _shard_arguments(self) -> dict[str, Any]:
-        init_weights, mesh_shape = self.checkpoints.init_weights_loader(), self.mesh_shape()
-        return dict(
-            precision=self.precision_plugin,
-            mesh=self.device_mesh,
-            mesh_shape=mesh_shape,
-            device=self.root_device,
-            init_weights=init_weights,
-        )
-
-    def parallelize(self, model: nn.Module) -> None:
-        """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
-        self.sharding.parallelize(model, **self._shard_arguments())
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

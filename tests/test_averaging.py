@@ -1,4 +1,4 @@
-"""fsdp_strategy.step.averaging on a real 1-rank gloo group: Lightning's WeightAveraging with its copy sharded like the module."""
+"""fsdp_strategy.sharding.averaging on a real 1-rank gloo group: Lightning's WeightAveraging with its copy sharded like the module."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy._compat import averaged_model_of
 from fsdp_strategy.checkpoint.io import gather_dtensors, split_checkpoint
-from fsdp_strategy.step.averaging import shard_like, unshard
+from fsdp_strategy.sharding.averaging import shard_like, unshard
 from testkit import full
 from testkit.models import TinyLM, token_loader
 

@@ -7,7 +7,7 @@ import gc
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_strategy.step.comm_pool import BufferPool, reuse_buffers
+from fsdp_strategy.sharding.comm_pool import BufferPool, reuse_buffers
 from testkit.models import TinyLM
 
 

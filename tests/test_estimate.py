@@ -14,9 +14,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_strategy.estimator.model_state import Estimate, estimate_module
 from fsdp_strategy.estimator.report import estimate, recommend
 from fsdp_strategy.estimator.target import load_target
+from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import apply_fully_shard, plan_units
 from fsdp_strategy.sharding.policy import normalize_policy
-from fsdp_strategy.sharding.precision import mixed_precision_policy
 from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.tools.cli import (
     main,

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.options import check_nonfinite_grads_option
-from fsdp_strategy.sharding.precision import FSDP2MixedPrecision
+from fsdp_strategy.plugins.precision import FSDP2MixedPrecision
 from fsdp_strategy.step.guard import (
     NonFinite,
     NonFiniteGradientError,

@@ -1,4 +1,4 @@
-"""``on_before_optimizer_step`` sees whole parameters and gradients (``fsdp_strategy.step.hook_view``), on a real 1-rank
+"""``on_before_optimizer_step`` sees whole parameters and gradients (``fsdp_strategy.sharding.hook_view``), on a real 1-rank
 gloo group; the 2- and 4-rank comparison with DDP is in ``integration_tests/test_finetuning.py``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.step.hook_view import WholeParameters, hooks_read_parameters
+from fsdp_strategy.sharding.hook_view import WholeParameters, hooks_read_parameters
 from testkit import full
 from testkit.models import TinyLM, token_loader
 

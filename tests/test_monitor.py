@@ -7,6 +7,7 @@ import csv
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -19,8 +20,8 @@ from torch import nn
 from fsdp_strategy import FSDP2Strategy, ShardingMonitor
 from fsdp_strategy.estimator.model_state import estimate_module
 from fsdp_strategy.monitor.batches import BatchCounter, batch_size_of, tokens_of
-from fsdp_strategy.monitor.estimator import estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.flops import datasheet_flops
+from fsdp_strategy.monitor.plan_costs import communication_estimate, estimate_figures, optimizer_name, plan_of
 from fsdp_strategy.monitor.summary import format_summary, summarize
 from testkit.models import SEQ, VOCAB, WIDTH, TinyLM, token_loader
 
@@ -145,6 +146,16 @@ def test_optimizer_and_strategy_names_for_the_estimator():
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
     assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None}
     assert plan_of(SingleDeviceStrategy("cpu")) is None
+
+
+def test_a_plan_the_estimator_does_not_model_is_named_in_the_note():
+    strategy = FSDP2Strategy(reshard_after_forward=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    trainer = SimpleNamespace(strategy=strategy, optimizers=[])
+    assert communication_estimate(trainer, nn.Linear(2, 2)) == (
+        None,
+        "the estimator has no plan for reshard_after_forward=2",
+    )
 
 
 def test_an_offloading_strategy_is_estimated_as_fsdp2_offload(monkeypatch):

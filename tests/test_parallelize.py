@@ -14,6 +14,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_strategy.sharding.mixed_precision import (
+    FULL_PRECISION_POLICY,
+    mixed_precision_policy,
+)
 from fsdp_strategy.sharding.parallelize import (
     apply_activation_checkpointing,
     apply_fully_shard,
@@ -21,10 +25,6 @@ from fsdp_strategy.sharding.parallelize import (
     plan_units,
 )
 from fsdp_strategy.sharding.policy import normalize_policy
-from fsdp_strategy.sharding.precision import (
-    FULL_PRECISION_POLICY,
-    mixed_precision_policy,
-)
 from fsdp_strategy.step import unused
 from fsdp_strategy.step.unused import UnusedParameters
 from testkit import full

@@ -1,9 +1,9 @@
-"""``integration_tests/peer/check.py``: a Lightning test that passes unmodified and fails under "fsdp2" fails the
-peer run unless docs/compatibility.md lists it as a deliberate difference."""
+"""``integration_tests/peer/check.py``, its rules in ``testkit/peer_results.py``: a Lightning test that passes
+unmodified and fails under "fsdp2" fails the peer run unless docs/compatibility.md lists it as a deliberate difference."""
 
 from __future__ import annotations
 
-from integration_tests.peer.check import (
+from testkit.peer_results import (
     COMPATIBILITY,
     deliberate_differences,
     regressions,

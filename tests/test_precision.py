@@ -10,16 +10,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from fsdp_strategy.sharding.precision import (
-    FULL_PRECISION_POLICY,
+from fsdp_strategy.plugins.precision import (
     SUPPORTED_PRECISIONS,
     FSDP2HalfPrecision,
     FSDP2MixedPrecision,
     FSDP2Precision,
-    is_normalization,
-    mixed_precision_policy,
     precision_plugin_for,
 )
+from fsdp_strategy.sharding.mixed_precision import FULL_PRECISION_POLICY, is_normalization, mixed_precision_policy
 from testkit.models import TinyLM, token_loader
 
 # What each precision keeps the trained parameters in: fp32 for full and mixed precision, the low dtype for "-true".

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_strategy  # noqa: F401  (importing it registers the strategy names)
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.sharding.precision import (
+from fsdp_strategy.plugins.precision import (
     FSDP2HalfPrecision,
     FSDP2MixedPrecision,
     FSDP2Precision,

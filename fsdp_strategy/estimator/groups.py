@@ -18,14 +18,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from fsdp_strategy._compat import sharded_units
-from fsdp_strategy.sharding.parallelize import plan_units
-from fsdp_strategy.sharding.policy import PolicyInput, normalize_policy
-from fsdp_strategy.sharding.precision import (
+from fsdp_strategy.plugins.precision import SUPPORTED_PRECISIONS
+from fsdp_strategy.sharding.mixed_precision import (
     FULL_PRECISION_POLICY,
-    SUPPORTED_PRECISIONS,
     is_normalization,
     mixed_precision_policy,
 )
+from fsdp_strategy.sharding.parallelize import plan_units
+from fsdp_strategy.sharding.policy import PolicyInput, normalize_policy
 
 __all__ = [
     "ACCEPTED_PRECISIONS",

@@ -6,7 +6,7 @@ reshards (``fsdp2``: right after its forward, again from its backward on, the ne
 ``fsdp2_grad_op``: until its backward ends; the root for the whole step), the gathering buffer while a unit is
 gathered, the unit's unsharded gradients until its reduce-scatter, that reduce-scatter's input (held until the
 next one) and the sharded gradients it leaves. The blocks' gathering buffers and reduce-scatter inputs stay
-allocated between uses, in a pool (:mod:`fsdp_strategy.step.comm_pool`, on CPU; CUDA's caching allocator keeps them
+allocated between uses, in a pool (:mod:`fsdp_strategy.sharding.comm_pool`, on CPU; CUDA's caching allocator keeps them
 as reserved memory that its live count leaves out, so there the prediction is higher by those buffers). DDP
 holds full parameters, gradients and a gradient bucket of their size. The optimizer step adds Adam's per-parameter
 temporaries. The largest total is the peak: the bytes of live tensors that :class:`~fsdp_strategy.ShardingMonitor`
@@ -113,7 +113,7 @@ def step_peak(trace: StepTrace, groups: Sequence[UnitGroup], estimate: Estimate,
     if estimate.strategy == "ddp":
         peaks = [_replay_ddp(trace, groups, estimate, role) for role in roles]
     else:
-        # The blocks' collective buffers come from a pool (fsdp_strategy.step.comm_pool, on CPU) that keeps, from
+        # The blocks' collective buffers come from a pool (fsdp_strategy.sharding.comm_pool, on CPU) that keeps, from
         # the first step on, as many of each size as were ever in use at once: a first replay counts them.
         pool = _Pool()
         for role in roles:

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 from fsdp_strategy._compat import FakeTensorMode, is_fake, tree_flatten, tree_map
 from fsdp_strategy.estimator.groups import UnitGroup
 from fsdp_strategy.estimator.live_tensors import OTHER, LiveTensors
+from fsdp_strategy.plugins.precision import precision_plugin_for
 from fsdp_strategy.sharding.parallelize import apply_activation_checkpointing
 from fsdp_strategy.sharding.policy import ModulePolicy, class_name, select_modules
-from fsdp_strategy.sharding.precision import precision_plugin_for
 
 __all__ = ["StepTrace", "token_batch", "trace_step"]
 

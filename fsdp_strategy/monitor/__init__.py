@@ -19,7 +19,7 @@ on the device), and the ranks exchange their numbers only at logging steps and o
 One module per concern: ``memory`` (RSS and CUDA peaks), ``live`` (the peak bytes of live tensors over
 the first steps, what the estimator's step peak predicts), ``batches`` (samples and tokens of a
 batch), ``timing`` (step boundaries without synchronizing), ``flops`` (one batch's FLOPs, the
-device's peak, MFU), ``estimator`` (the sharding plan's communication and model state, from the
+device's peak, MFU), ``plan_costs`` (the sharding plan's communication and model state, from the
 estimator), ``summary`` (per-rank rows to the summary and its table) and ``callback`` (the Lightning
 hooks calling them). The model state a rank holds is :mod:`fsdp_strategy.sharding.state_bytes`'s count.
 """

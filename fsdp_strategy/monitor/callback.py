@@ -11,10 +11,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from fsdp_strategy.monitor.batches import BatchCounter
-from fsdp_strategy.monitor.estimator import communication_estimate
 from fsdp_strategy.monitor.flops import BatchFlops, peak_flops_per_device
 from fsdp_strategy.monitor.live import LiveTensorPeak
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_memory, reset_peaks
+from fsdp_strategy.monitor.plan_costs import communication_estimate
 from fsdp_strategy.monitor.summary import (
     format_summary,
     gather_rows,

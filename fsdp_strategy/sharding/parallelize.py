@@ -1,6 +1,7 @@
 """Small verbs that turn a plain module into a sharded one: plan units, checkpoint, compile, shard.
 
-Each takes only what it needs and works without Lightning; ``FSDP2Strategy.setup`` calls them in order.
+Each takes only what it needs and works without Lightning; :meth:`fsdp_strategy.stage.ModuleSharding.parallelize`
+calls them in order.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy._compat import tree_map
+from fsdp_strategy.sharding.mixed_precision import FULL_PRECISION_POLICY, is_normalization
 from fsdp_strategy.sharding.policy import ModulePolicy, select_modules
-from fsdp_strategy.sharding.precision import FULL_PRECISION_POLICY, is_normalization
 
 __all__ = [
     "no_gradient_sync",

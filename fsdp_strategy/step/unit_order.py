@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_strategy._compat import sharded_units
+from fsdp_strategy.sharding.mixed_precision import is_normalization
 from fsdp_strategy.sharding.policy import class_name
-from fsdp_strategy.sharding.precision import is_normalization
 from fsdp_strategy.step.hooks import StepHook
 
 __all__ = ["UnitMismatchError", "UnitOrder", "UnitOrderHook", "describe_mismatch"]

@@ -4,40 +4,17 @@
 
 Each RESULTS_DIR is one run of the peer harness (its ``results.json``). The deliberate differences are the test ids
 in the first column of the "Deliberate differences" table of docs/compatibility.md (matched as the end of the id);
-each must say why it differs and what a user does instead. Standard library only.
+each must say why it differs and what a user does instead (:mod:`testkit.peer_results`). Standard library only.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
-COMPATIBILITY = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
-
-
-def deliberate_differences(text: str) -> list[str]:
-    """The test ids listed in the "Deliberate differences" table."""
-    section = text.split("### Deliberate differences", 1)[1].split("\n#", 1)[0]
-    ids = []
-    for line in section.splitlines():
-        match = re.match(r"^\|\s*`([^`]+)`\s*\|", line)
-        if match:
-            ids.append(match.group(1))
-    return ids
-
-
-def regressions(results: dict, allowed: list[str]) -> tuple[list[str], list[str]]:
-    """(unlisted failures, listed ones) among the tests that pass unmodified and not under the target."""
-    target = [name for name in results["passes"] if name != "baseline"][0]
-    unlisted, listed = [], []
-    for row in results["rows"]:
-        if row["baseline"][0] == "PASS" and row[target][0] != "PASS":
-            (listed if any(row["id"].endswith(a) for a in allowed) else unlisted).append(
-                f"{row['id']}: {row[target][0]}"
-            )
-    return unlisted, listed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # testkit/, beside the package
+from testkit.peer_results import COMPATIBILITY, deliberate_differences, regressions  # noqa: E402
 
 
 def main(directories: list[str]) -> int:

@@ -51,8 +51,8 @@ import fsdp_strategy  # noqa: F401  (registers "fsdp2" and "fsdp2_grad_op")
 from fsdp_strategy import host_memory
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.monitor.memory import current_rss_bytes, peak_rss_bytes
+from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.policy import normalize_policy, select_modules
-from fsdp_strategy.sharding.precision import mixed_precision_policy
 from fsdp_strategy.sharding.state_bytes import (
     full_bytes,
     held_bytes,

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from fsdp_strategy.estimator.model_state import Estimate, estimate_module
-from fsdp_strategy.strategy import FSDP2Strategy, ShardingPlan
+from fsdp_strategy.sharding.plan import ShardingPlan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -25,11 +25,18 @@ def plan_of(strategy: Any) -> dict[str, Any] | None:
     Any replicated mesh is estimated as ``fsdp2_hybrid``, which reshards after forward: with
     ``reshard_after_forward=False`` the figures are an approximation (the blocks are gathered once
     per micro-batch, not twice, and stay gathered until backward)."""
-    if isinstance(strategy, FSDP2Strategy):
-        return _fsdp2_plan(strategy.sharding_plan())
+    sharding = _sharding_plan(strategy)
+    if sharding is not None:
+        return _fsdp2_plan(sharding)
     if isinstance(strategy, DDPStrategy):
         return {"strategy": "ddp", "processes_per_node": None}
     return None
+
+
+def _sharding_plan(strategy: Any) -> ShardingPlan | None:
+    # FSDP2Strategy's (and its subclasses'): asked for by name, as monitor/ sits below the strategy module.
+    describe = getattr(strategy, "sharding_plan", None)
+    return describe() if callable(describe) else None
 
 
 def _fsdp2_plan(plan: ShardingPlan) -> dict[str, Any] | None:
@@ -71,9 +78,9 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict
     ``module`` is the live model: once sharded, the estimator reads the units it was sharded into."""
     plan = plan_of(trainer.strategy)
     if plan is None:
-        if isinstance(trainer.strategy, FSDP2Strategy):
-            resharding = trainer.strategy.sharding_plan().reshard_after_forward
-            return None, f"the estimator has no plan for reshard_after_forward={resharding}"
+        sharding = _sharding_plan(trainer.strategy)
+        if sharding is not None:
+            return None, f"the estimator has no plan for reshard_after_forward={sharding.reshard_after_forward}"
         return None, f"no sharding plan known for {type(trainer.strategy).__name__}"
     optimizer = optimizer_name(trainer.optimizers)
     if optimizer is None:

@@ -1,15 +1,12 @@
-"""``Trainer(precision=...)`` translated into FSDP2 mixed-precision policies and precision plugins.
+"""``Trainer(precision=...)`` as Lightning precision plugins that run on sharded parameters.
 
-``*-mixed`` keeps fp32 sharded master weights: FSDP2 all-gathers them in the low-precision dtype for
-compute and reduce-scatters gradients in fp32. Autocast stays on as under DDP, and normalization
-layers keep fp32 parameters (their own unit with :data:`FULL_PRECISION_POLICY`), because bf16
-gradients of norm weights are what makes plain bf16 compute drift from an fp32 run (about 3x the
-distance that DDP with autocast reaches).
+The FSDP2 policy each ``*-mixed`` precision shards with is :mod:`fsdp_strategy.sharding.mixed_precision`'s; the
+plugins add autocast (as under DDP), loss scaling that agrees across ranks, and the whole parameters that
+``on_before_optimizer_step`` sees.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Protocol
 
 import torch
@@ -24,44 +21,16 @@ from lightning.pytorch.plugins.precision import (
     TransformerEnginePrecision,
     XLAPrecision,
 )
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "FSDP2_PLUGINS",
-    "FULL_PRECISION_POLICY",
     "SUPPORTED_PRECISIONS",
-    "is_normalization",
-    "mixed_precision_policy",
     "precision_plugin_for",
     "translate_trainer_plugin",
 ]
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-
-# The norms' inputs are cast to fp32 by a hook of the strategy's own (parallelize.cast_inputs), not by FSDP: before
-# torch 2.13 FSDP skipped that cast when activation checkpointing recomputed a norm inside a block, and the
-# recomputed tensors no longer matched the forward's.
-FULL_PRECISION_POLICY = MixedPrecisionPolicy(
-    param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
-)
-
-# Class names cover torch's norms and the many re-implementations (LlamaRMSNorm, T5LayerNorm, ...).
-_NORM_CLASS_NAME = re.compile(r"Norm")
-
-
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
-    """The FSDP2 policy for a ``*-mixed`` precision string; ``None`` for the ``*-true`` ones."""
-    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if low is None:
-        return None
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-
-
-def is_normalization(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalization layer that owns parameters (kept in fp32 under ``*-mixed``)."""
-    return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and any(True for _ in module.parameters(recurse=False))
 
 
 def precision_plugin_for(precision: str, device_type: str) -> Precision:
@@ -83,8 +52,8 @@ def precision_plugin_for(precision: str, device_type: str) -> Precision:
 
 
 class ParameterView(Protocol):
-    """What the plugins open around ``on_before_optimizer_step`` (:class:`~fsdp_strategy.step.hook_view.WholeParameters`):
-    a protocol, so that the plugins need not import the step features."""
+    """What the plugins open around ``on_before_optimizer_step`` (:class:`~fsdp_strategy.sharding.hook_view.WholeParameters`):
+    a protocol, so that the plugins need not import the sharding package."""
 
     def open(self) -> None: ...
 
@@ -93,7 +62,7 @@ class ParameterView(Protocol):
 
 class _WholeParametersInHooks:
     """Runs ``on_before_optimizer_step`` with the whole parameters and gradients of :attr:`hook_view`
-    (:class:`~fsdp_strategy.step.hook_view.WholeParameters`, set by the strategy; ``None``: the shards as they are).
+    (:class:`~fsdp_strategy.sharding.hook_view.WholeParameters`, set by the strategy; ``None``: the shards as they are).
 
     Lightning's ``Precision._after_closure`` calls the hooks and then ``_clip_gradients``: the shards are back
     before clipping, which works on them across ranks.
