@@ -19,6 +19,7 @@ __all__ = [
     "holds_dtensor",
     "optimizer_key",
     "optimizer_number",
+    "sharded_parts",
     "split_checkpoint",
 ]
 
@@ -46,6 +47,20 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     # in shards under its own key, as the module's is: meta.pt would hold rank 0's shards only.
     tensors.update({key: rest.pop(key) for key in list(rest) if holds_dtensor(rest[key])})
     return tensors, rest
+
+
+def sharded_parts(tensors: dict[str, Any]) -> tuple[Any, dict[int, Any], dict[str, Any]]:
+    """:func:`split_checkpoint`'s sharded entries back in their parts: the module's state (``None`` if absent), the
+    optimizers' states by number, and the other entries (sharded state a callback added) by key."""
+    optimizers: dict[int, Any] = {}
+    others: dict[str, Any] = {}
+    for key, value in tensors.items():
+        number = optimizer_number(key)
+        if number is not None:
+            optimizers[number] = value
+        elif key != MODEL_KEY:
+            others[key] = value
+    return tensors.get(MODEL_KEY), optimizers, others
 
 
 def holds_dtensor(value: Any) -> bool:

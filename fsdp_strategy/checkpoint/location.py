@@ -92,6 +92,10 @@ class Location(ABC):
         """``(fs, path)``: the fsspec filesystem and the path on it."""
 
     @abstractmethod
+    def makedirs(self) -> None:
+        """Creates this folder and those above it, as far as the store has folders."""
+
+    @abstractmethod
     def remove(self) -> None:
         """Removes the file or the folder with everything in it; nothing if there is none."""
 
@@ -145,6 +149,14 @@ class Location(ABC):
         fs, path = self.filesystem()
         return fs.modified(path).timestamp()
 
+    def readable(self) -> bool:
+        """Whether this process may read the file (an object store says so only when it is read)."""
+        return True
+
+    def free_bytes(self) -> int | None:
+        """The space left for writing here; ``None`` where it is not known (object stores)."""
+        return None
+
 
 class LocalLocation(Location):
     remote = False
@@ -192,6 +204,17 @@ class LocalLocation(Location):
 
     def modified(self) -> float:
         return os.path.getmtime(self.path)
+
+    def readable(self) -> bool:
+        return os.access(self.path, os.R_OK)
+
+    def free_bytes(self) -> int | None:
+        for candidate in (self.path, *self.path.parents):  # the nearest folder that exists
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                continue
+        return None
 
     def makedirs(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -242,7 +265,7 @@ class RemoteLocation(Location):
         return filesystem(self.url)
 
     def makedirs(self) -> None:
-        """Object stores have no folders: a prefix exists once an object is written under it."""
+        return  # object stores have no folders: a prefix exists once an object is written under it
 
     def remove(self) -> None:
         fs, path = self.filesystem()

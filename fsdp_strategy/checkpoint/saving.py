@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.checkpoint.background import SAVE_ERRORS, BackgroundSave, snapshot
 from fsdp_strategy.checkpoint.layout import split_checkpoint
-from fsdp_strategy.checkpoint.location import LocalLocation, Location, location_of
+from fsdp_strategy.checkpoint.location import Location, location_of
 from fsdp_strategy.checkpoint.trainer_state import check_trainer_state, write_trainer_state
 from fsdp_strategy.sizes import format_bytes
 
@@ -92,7 +91,7 @@ def describe_failure(error: BaseException, *, checkpoint: Path | str, rank: int)
     os_error = writing.os_error_in(cause)
     parent = location_of(checkpoint).parent
     where = parent.value
-    free = _free_bytes(parent.value) if os_error is None and isinstance(parent, LocalLocation) else None
+    free = parent.free_bytes() if os_error is None else None
     if os_error is None and free is not None and free < _NEARLY_FULL_BYTES:
         hidden = f"{type(cause).__name__}: {_first_line(cause)}"
         return (
@@ -161,15 +160,6 @@ def _discard(staging: Location) -> None:
         except OSError as error:
             warnings.warn(f"Could not remove '{staging}' after a failed save: {error}.", stacklevel=2)
             return
-
-
-def _free_bytes(directory: Path) -> int | None:
-    for candidate in (directory, *directory.parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
-    return None
 
 
 def _first_line(error: BaseException) -> str:

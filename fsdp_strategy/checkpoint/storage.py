@@ -21,7 +21,6 @@ on the same store, and every reader (:func:`checkpoint_files`) goes through the 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,7 +190,7 @@ class CheckpointFiles:
         return self.data.names()
 
     def readable(self, relative: str) -> bool:
-        return self.data.remote or os.access(self.path(relative), os.R_OK)
+        return self.data.join(relative).readable()
 
     def reader(self) -> Any:
         """DCP's storage reader for these files."""

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from fsdp_strategy.checkpoint.layout import MODEL_KEY, optimizer_key, optimizer_number
+from fsdp_strategy.checkpoint.layout import optimizer_key, sharded_parts
 from fsdp_strategy.checkpoint.reader import open_checkpoint
 from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.tools.export import export_safetensors
@@ -202,19 +202,12 @@ def _put(node: Any, key: Any, value: Any) -> None:
 
 
 def _lightning_checkpoint(nested: dict[str, Any], trainer_state: dict[str, Any], source: Path) -> dict[str, Any]:
-    optimizers: dict[int, Any] = {}
-    others: dict[str, Any] = {}
-    for key, value in nested.items():
-        number = optimizer_number(key)
-        if number is not None:
-            optimizers[number] = value
-        elif key != MODEL_KEY:
-            others[key] = value  # not written by FSDP2Strategy; kept under its own key
+    model, optimizers, others = sharded_parts(nested)  # others: not written by FSDP2Strategy; kept under their keys
     if sorted(optimizers) != list(range(len(optimizers))):
         numbers = sorted(optimizers)
         raise ValueError(f"cannot consolidate {source}: optimizer entries are not numbered 0..N-1: {numbers}")
     checkpoint = {**trainer_state, **others}
-    checkpoint["state_dict"] = nested.get(MODEL_KEY, {})
+    checkpoint["state_dict"] = {} if model is None else model
     checkpoint["optimizer_states"] = [
         _index_keyed(optimizers[i], optimizer_key(i), source) for i in range(len(optimizers))
     ]
