@@ -2,7 +2,8 @@
 
 It decides the checkpoint format once per model (``state_dict_type``, ``"auto"`` resolved), saves (in the
 background with ``async_save``, over a gloo group of its own), loads before the module is sharded as DDP does,
-and keeps what a module without values yet can only take after sharding (:meth:`restore_after_sharding`).
+and keeps what a module without values yet can only take after sharding (:meth:`restore_after_sharding`). What
+differs between formats is the format objects' (:mod:`~fsdp_strategy.checkpoint.formats`): this only dispatches.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class CheckpointManager:
         self.init_weights = options.init_weights
         self.format: CheckpointFormat | None = None  # decided in setup(), or by the first save before any setup
         self.saves = background.BackgroundSave()
+        self._saved_as: SavedFormat | None = None
         self.restore: _Restore | None = None
         self._group: Any = None
 
@@ -83,8 +85,11 @@ class CheckpointManager:
 
     @property
     def saved_as(self) -> SavedFormat:
-        """The format saves write (a new object each time: it keeps nothing between saves)."""
-        return format_named(self.checkpoint_format.value)(self.strategy)
+        """The format that saves write, picked for the decided ``checkpoint_format``."""
+        kind = format_named(self.checkpoint_format.value)
+        if type(self._saved_as) is not kind:
+            self._saved_as = kind(self.strategy)
+        return self._saved_as
 
     def setup(self, model: nn.Module) -> None:
         """Decides the format for the stage's model (once per strategy) and checks the ``CheckpointIO`` plugin."""
