@@ -108,17 +108,22 @@ def verify_sharded_checkpoint(path: Path | str | CheckpointFiles, *, weights_onl
     pickled objects are loaded whatever they are, running the code they name. ``path`` may be a URL
     (its manifest is followed) or the :class:`~fsdp_strategy.checkpoint.storage.CheckpointFiles` of one.
     """
-    if not isinstance(path, CheckpointFiles) and not (where := location_of(path)).remote and not where.is_dir():
+    files = path if isinstance(path, CheckpointFiles) else _local_directory_or_url(path)
+    metadata = read_dcp_metadata(files)
+    _check_shard_files(files, metadata)
+    _check_byte_entries(files, metadata, weights_only=weights_only)
+    load_trainer_state(files, weights_only=weights_only)
+
+
+def _local_directory_or_url(path: Path | str) -> CheckpointFiles:
+    where = location_of(path)
+    if not where.remote and not where.is_dir():  # on a URL, the manifest tells (checkpoint_files)
         raise CheckpointError(
             f"Checkpoint '{path}' is not a directory; a sharded checkpoint is a directory with"
             f" '{DCP_METADATA_FILENAME}', shard files and '{TRAINER_STATE_FILENAME}'.",
             checkpoint=Path(path),
         )
-    files = checkpoint_files(path)
-    metadata = read_dcp_metadata(files)
-    _check_shard_files(files, metadata)
-    _check_byte_entries(files, metadata, weights_only=weights_only)
-    load_trainer_state(files, weights_only=weights_only)
+    return checkpoint_files(where)
 
 
 # --- shard files ----------------------------------------------------------------------------------
