@@ -7,11 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
-from fsdp_strategy.checkpoint import formats, storage, writing
-from fsdp_strategy.checkpoint.formats import FullFormat, SavedFormat, ShardedFormat, format_named, saved_format
+from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.checkpoint.location import LocalLocation, Location, RemoteLocation, location_of
 
 
@@ -59,36 +56,3 @@ def test_a_local_folder_and_a_url_answer_alike(folder: Location) -> None:
 def test_free_space_is_known_on_a_local_disk_only(tmp_path, memory_dir) -> None:
     assert location_of(tmp_path / "not" / "yet").free_bytes() > 0  # the nearest folder that exists
     assert location_of(memory_dir).free_bytes() is None
-
-
-def tiny_checkpoint() -> dict:
-    return {"state_dict": nn.Linear(2, 2).state_dict(), "epoch": 0}
-
-
-def test_the_saved_format_is_told_by_what_is_at_the_path(single_rank_group, tmp_path, memory_dir) -> None:
-    file = tmp_path / "one.ckpt"
-    torch.save(tiny_checkpoint(), file)
-    directory = tmp_path / "sharded.ckpt"
-    writing.save_sharded(directory, tiny_checkpoint(), is_rank_zero=True)
-    staging = writing.staging_path(f"{memory_dir}/sharded.ckpt", "token")
-    writing.save_sharded(staging, tiny_checkpoint(), is_rank_zero=True)
-    writing.publish(staging, f"{memory_dir}/sharded.ckpt")
-
-    assert saved_format(file) is FullFormat and saved_format(tmp_path / "missing.ckpt") is FullFormat
-    assert saved_format(directory) is ShardedFormat and saved_format(f"{memory_dir}/sharded.ckpt") is ShardedFormat
-    assert format_named("sharded") is ShardedFormat and format_named("full") is FullFormat
-
-
-def test_a_new_format_is_one_subclass_registered_before_the_full_one(monkeypatch, tmp_path) -> None:
-    class AdapterFormat(FullFormat):
-        name = "adapter"
-
-        @classmethod
-        def holds(cls, where: Location) -> bool:
-            return where.name.endswith(".adapter")
-
-    monkeypatch.setattr(formats, "FORMATS", (ShardedFormat, AdapterFormat, FullFormat))
-    assert saved_format(tmp_path / "lora.adapter") is AdapterFormat and format_named("adapter") is AdapterFormat
-    assert saved_format(tmp_path / "model.ckpt") is FullFormat
-    with pytest.raises(TypeError, match="abstract"):
-        type("Unfinished", (SavedFormat,), {"name": "unfinished", "single_file": True})(strategy=None)
