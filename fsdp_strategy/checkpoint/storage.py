@@ -41,6 +41,7 @@ __all__ = [
     "is_url",
     "join",
     "location",
+    "published_data",
     "read_checkpoint_file",
     "read_manifest",
     "remove",
@@ -115,16 +116,10 @@ def data_url(url: Any, manifest: dict[str, Any]) -> str:
 
 
 def remove(path: Any) -> None:
-    """Removes the checkpoint at ``path``: on a URL a manifest first (the name disappears at once), then its files."""
+    """Removes the checkpoint at ``path``: a manifest first (the name disappears at once), then the files it names."""
     where = location_of(path)
-    if not where.remote:
-        where.remove()
-        return
-    fs, remote = where.filesystem()
-    if not fs.exists(remote):
-        return
-    manifest = read_manifest(where) if fs.isfile(remote) else None
-    fs.rm(remote, recursive=True)
+    manifest = read_manifest(where) if where.is_file() else None
+    where.remove()  # nothing if nothing is there
     if manifest is not None:
         remove_data(data_url(where, manifest))
 
