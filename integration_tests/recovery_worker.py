@@ -54,7 +54,7 @@ class FailAtStep(L.Callback):
 
 
 def kill_in_save(k: int, out: Path) -> None:
-    save, calls = writing.save_sharded, []
+    save, calls = writing.write_sharded, []
 
     def save_or_die(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -62,7 +62,7 @@ def kill_in_save(k: int, out: Path) -> None:
             die(out)
         return save(*args, **kwargs)
 
-    writing.save_sharded = save_or_die
+    writing.write_sharded = save_or_die
 
 
 def kill_in_publish(k: int, out: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.tools.consolidate import consolidate_checkpoint
 from testkit import free_port
 from testkit.checkpoints import assert_same
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 package = types.ModuleType("fsdp_strategy")
 package.__path__ = [sys.argv[3]]
 sys.modules["fsdp_strategy"] = package
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.launch import rendezvous
 

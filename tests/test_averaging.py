@@ -16,7 +16,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy._compat import averaged_model_of
-from fsdp_strategy.checkpoint.io import gather_dtensors, split_checkpoint
+from fsdp_strategy.checkpoint.layout import gather_dtensors, split_checkpoint
 from fsdp_strategy.sharding.averaging import shard_like, unshard
 from testkit import full
 from testkit.models import TinyLM, token_loader

@@ -9,9 +9,10 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.checkpoint.trainer_state import TRAINER_STATE_FILENAME
+from fsdp_strategy.checkpoint.verify import is_sharded_checkpoint
 from fsdp_strategy.sharding.parallelize import (
     apply_fully_shard,
     load_full_tensors_into_shards,
@@ -88,7 +89,7 @@ def test_sharded_round_trip_is_bit_exact_for_model_and_optimizer(mesh, tmp_path)
     writing.save_sharded(path, checkpoint, is_rank_zero=True)
     assert (path / TRAINER_STATE_FILENAME).is_file()
     assert (path / ".metadata").is_file()  # DCP's own index
-    assert ckpt.is_sharded_checkpoint(path)
+    assert is_sharded_checkpoint(path)
 
     restored = sharded_tinylm(mesh, seed=1)
     restored_optimizer = adamw(restored)
@@ -148,9 +149,9 @@ def test_saving_and_loading_optimizer_state_never_steps_the_optimizer_nor_drops_
 def test_a_file_or_a_plain_directory_is_not_a_sharded_checkpoint(tmp_path):
     plain_file = tmp_path / "model.ckpt"
     plain_file.write_bytes(b"")
-    assert not ckpt.is_sharded_checkpoint(plain_file)
-    assert not ckpt.is_sharded_checkpoint(tmp_path)
-    assert not ckpt.is_sharded_checkpoint(tmp_path / "missing")
+    assert not is_sharded_checkpoint(plain_file)
+    assert not is_sharded_checkpoint(tmp_path)
+    assert not is_sharded_checkpoint(tmp_path / "missing")
 
 
 def test_load_full_from_a_plain_lightning_checkpoint_with_index_keyed_optimizer_state(mesh, tmp_path):

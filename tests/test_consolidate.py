@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_strategy import CheckpointError, FSDP2Strategy
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.tools import consolidate as consolidate_module
 from fsdp_strategy.tools.cli import main

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.errors import CheckpointError
@@ -51,7 +51,7 @@ from fsdp_strategy.checkpoint.verify import (
     check_model_matches,
     compare_keys,
     is_half_written,
-    looks_like_sharded_checkpoint,
+    is_sharded_checkpoint,
     saved_shapes,
     verify_sharded_checkpoint,
 )
@@ -139,7 +139,7 @@ def assert_same(actual, expected, where: str = "state") -> None:
 
 def test_a_checkpoint_written_by_the_strategy_verifies_and_its_trainer_state_loads_back_equal(saved):
     verify_sharded_checkpoint(saved)
-    assert looks_like_sharded_checkpoint(saved) and not is_half_written(saved)
+    assert is_sharded_checkpoint(saved) and not is_half_written(saved)
 
     state = load_trainer_state(saved)  # weights_only=True
     assert_same(state, torch.load(saved / "meta.pt", weights_only=False))
@@ -249,8 +249,7 @@ def test_a_hostile_dcp_metadata_is_refused_without_running_it(saved, tmp_path):
 
 def test_a_missing_dcp_metadata_is_a_half_written_checkpoint(saved):
     (saved / ".metadata").unlink()
-    assert looks_like_sharded_checkpoint(saved) and is_half_written(saved)
-    assert ckpt.is_sharded_checkpoint(saved)  # to checkpoint.py, meta.pt alone makes it look complete
+    assert is_sharded_checkpoint(saved) and is_half_written(saved)
     with expect(
         f"Checkpoint '{saved}' is damaged: '.metadata' is missing (a save that was interrupted leaves the directory so)."
     ):
@@ -262,8 +261,8 @@ def test_a_missing_dcp_metadata_is_a_half_written_checkpoint(saved):
 
 def test_a_missing_trainer_state_is_a_half_written_checkpoint(saved):
     (saved / "meta.pt").unlink()
-    assert looks_like_sharded_checkpoint(saved) and is_half_written(saved)
-    assert not ckpt.is_sharded_checkpoint(saved)  # so the strategy must not take it for a single-file checkpoint
+    # Sharded all the same, so the strategy does not take it for a single-file checkpoint.
+    assert is_sharded_checkpoint(saved) and is_half_written(saved)
     with expect(
         f"Checkpoint '{saved}' is damaged: 'meta.pt' is missing (a save that was interrupted leaves the directory so)."
     ):
@@ -636,8 +635,8 @@ def test_compare_keys_on_plain_shapes():
 
 def test_a_file_is_not_a_sharded_checkpoint(tmp_path):
     (tmp_path / "model.ckpt").write_bytes(b"")
-    assert not looks_like_sharded_checkpoint(tmp_path / "model.ckpt")
-    assert not looks_like_sharded_checkpoint(tmp_path) and not is_half_written(tmp_path)
+    assert not is_sharded_checkpoint(tmp_path / "model.ckpt")
+    assert not is_sharded_checkpoint(tmp_path) and not is_half_written(tmp_path)
     with expect(
         f"Checkpoint '{tmp_path / 'model.ckpt'}' is not a directory; a sharded checkpoint is a directory with"
         " '.metadata', shard files and 'meta.pt'."

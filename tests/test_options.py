@@ -64,7 +64,7 @@ def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_
     trainer.save_checkpoint(path)
     assert ("file" if path.is_file() else "directory" if path.is_dir() else None) == _WRITES[state_dict_type]
     # What was written is a checkpoint of this step in that form (resuming from each form: test_trainer_smoke.py).
-    assert verify.looks_like_sharded_checkpoint(path) == (_WRITES[state_dict_type] == "directory")
+    assert verify.is_sharded_checkpoint(path) == (_WRITES[state_dict_type] == "directory")
     step = (
         load_trainer_state(path)["global_step"]
         if path.is_dir()

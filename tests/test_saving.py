@@ -23,8 +23,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.checkpoint import background, saving, writing
-from fsdp_strategy.checkpoint import io as ckpt
+from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.checkpoint.saving import CheckpointSaveError
+from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from testkit import full
 from testkit.callbacks import RecordingIO
 from testkit.faults import Disk
@@ -160,7 +161,7 @@ def _staging(directory: Path, token: str, *, age: float = 3600) -> Path:
 
 
 def test_staging_of_a_crashed_writer_is_removed_and_live_or_unknown_writers_are_kept(tmp_path):
-    host = saving.staging_token().split("-")[0]
+    host = staging_token().split("-")[0]
     crashed = _staging(tmp_path, f"{host}-{_dead_pid()}-aaaa")
     alive = _staging(tmp_path, f"{host}-{os.getpid()}-bbbb")
     elsewhere = _staging(tmp_path, f"0badc0de-{_dead_pid()}-cccc")
@@ -169,7 +170,7 @@ def test_staging_of_a_crashed_writer_is_removed_and_live_or_unknown_writers_are_
     (tmp_path / "last.ckpt").mkdir()
 
     with pytest.warns(UserWarning) as warned:
-        removed = saving.remove_stale_staging(tmp_path)
+        removed = remove_stale_staging(tmp_path)
 
     assert removed == [crashed] and not crashed.exists()
     assert alive.exists() and elsewhere.exists() and legacy.exists() and just_written.exists()
@@ -182,7 +183,7 @@ def test_staging_of_a_crashed_writer_is_removed_and_live_or_unknown_writers_are_
 
 
 def test_a_staging_token_names_its_writer_and_never_holds_last():
-    host, pid, ident = saving.staging_token().split("-")
+    host, pid, ident = staging_token().split("-")
     assert int(pid) == os.getpid() and re.fullmatch(r"[0-9a-f]{8}", host) and re.fullmatch(r"[0-9a-f]{12}", ident)
 
 
@@ -288,7 +289,7 @@ def test_a_background_sharded_save_writes_the_trainer_state_of_its_step(mesh, tm
         "callbacks": {"Tracker": {"score": score, "history": history}},
     }
     saves, path = background.BackgroundSave(), tmp_path / "last.ckpt"
-    saving.save_sharded(checkpoint, path, saving.staging_token(), rank=0, background=saves, group=lambda: None)
+    saving.save_sharded(checkpoint, path, staging_token(), rank=0, background=saves, group=lambda: None)
     # Training goes on while the shards are written: it changes tensors, containers and objects in place.
     score.add_(1)
     history.append(2)

@@ -20,7 +20,7 @@ from fsdp_strategy import (
 )
 from fsdp_strategy.checkpoint import storage, verify
 from fsdp_strategy.checkpoint.resume_last import find_last
-from fsdp_strategy.checkpoint.saving import remove_stale_staging, staging_token
+from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from testkit.models import TinyLM, token_loader
 
 
@@ -84,7 +84,7 @@ def test_top_k_and_last_on_a_url_resume_from_last_and_leave_one_shard_prefix_per
     prefixes = [n for n in names if n.startswith(storage.DATA_PREFIX)]
     assert len(prefixes) == (3 if kind == "sharded" else 0), names
     for name in visible:
-        assert verify.looks_like_sharded_checkpoint(f"{memory_dir}/{name}") == (kind == "sharded")
+        assert verify.is_sharded_checkpoint(f"{memory_dir}/{name}") == (kind == "sharded")
 
     trainer_env.fresh()
     resumed = fit(memory_dir, steps=8, kind=kind, ckpt_path="last", async_save=async_save)
@@ -150,12 +150,12 @@ def test_a_half_written_remote_checkpoint_is_invisible_and_its_prefix_is_removed
     with pytest.raises(FileNotFoundError, match="does not exist"):
         storage.read_manifest(f"{memory_dir}/epoch=0-step=4.ckpt")
 
-    import fsdp_strategy.checkpoint.saving as saving
+    import fsdp_strategy.checkpoint.staging as staging
 
     kept = remove_stale_staging(memory_dir)  # written after this process started: maybe a save in progress
     assert kept == [] and fs.exists(root)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(saving, "_PROCESS_START", float("inf"))  # as if this process had started after the write
+        patch.setattr(staging, "_PROCESS_START", float("inf"))  # as if this process had started after the write
         assert remove_stale_staging(memory_dir) == [orphan]
     assert not fs.exists(root)
     # The published checkpoints' prefixes stay.

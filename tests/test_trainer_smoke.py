@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.checkpoint.io import is_sharded_checkpoint
+from fsdp_strategy.checkpoint.verify import is_sharded_checkpoint
 from testkit import full
 from testkit.models import VOCAB, WIDTH, Block, TinyLM, token_loader
 

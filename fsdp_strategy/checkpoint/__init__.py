@@ -1,11 +1,15 @@
 """Checkpoints of sharded models: a Distributed Checkpoint directory, or one full Lightning file.
 
-* ``manager``: ``CheckpointManager``, what the strategy does with checkpoints (format, saves, loads, restores);
-* ``io``: what a checkpoint holds and how it is read back (model and optimizer state, full or sharded);
+* ``manager``: ``CheckpointManager``, what the strategy does with checkpoints, dispatched to a format;
+* ``formats``: the checkpoint formats as classes (``ShardedFormat``, ``FullFormat``) and which one a path holds;
+* ``location``: where a checkpoint is (a local path or an fsspec URL, decided once) and what is done there;
+* ``layout``: a checkpoint dict in its parts (module, optimizers, sharded callback state, trainer state);
+* ``state_dicts``: model and optimizer state taken for a save (full or sharded) and read back into them;
 * ``writing``: its files written under a hidden name and put in place;
 * ``saving``: a save that ends together on every rank, staged and renamed into place;
+* ``staging``: the hidden names saves are written under, and those crashed runs left removed;
 * ``background``: saves that run while training goes on;
-* ``storage``: where checkpoints live (a local path or an fsspec URL) and the files of one;
+* ``storage``: the files of one checkpoint, and the manifests that name sharded ones on URLs;
 * ``dcp_metadata``, ``verify`` and ``trainer_state``: the checks of a checkpoint before anything is loaded;
 * ``resume_last``: ``fit(ckpt_path="last")`` when checkpoints are saved to a URL (a launcher that finds it);
 * ``reader``: a checkpoint opened once outside training, for the tools (consolidate, export);

@@ -1,7 +1,7 @@
 """The error of a checkpoint that is damaged, unsafe to unpickle or saved from another model.
 
 Every check of a checkpoint raises it (:mod:`fsdp_strategy.checkpoint.dcp_metadata`, :mod:`fsdp_strategy.checkpoint.verify`,
-:mod:`fsdp_strategy.checkpoint.trainer_state`, :mod:`fsdp_strategy.checkpoint.io`), so that one ``except`` catches them
+:mod:`fsdp_strategy.checkpoint.trainer_state`, :mod:`fsdp_strategy.checkpoint.state_dicts`), so that one ``except`` catches them
 all; it is public as ``fsdp_strategy.CheckpointError``.
 """
 

@@ -2,7 +2,8 @@
 
 It decides the checkpoint format once per model (``state_dict_type``, ``"auto"`` resolved), saves (in the
 background with ``async_save``, over a gloo group of its own), loads before the module is sharded as DDP does,
-and keeps what a module without values yet can only take after sharding (:meth:`restore_after_sharding`).
+and keeps what a module without values yet can only take after sharding (:meth:`restore_after_sharding`). What
+differs between formats is the format objects' (:mod:`~fsdp_strategy.checkpoint.formats`): this only dispatches.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fsdp_strategy import host_memory
-from fsdp_strategy.checkpoint import background, saving, storage, verify
-from fsdp_strategy.checkpoint import io as ckpt
-from fsdp_strategy.checkpoint.errors import CheckpointError
+from fsdp_strategy.checkpoint import background, saving, state_dicts
+from fsdp_strategy.checkpoint.formats import FullFormat, SavedFormat, format_named, saved_format
+from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from fsdp_strategy.launch.rendezvous import on_rank_zero
 from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
 from fsdp_strategy.sharding.deferred_init import has_meta_tensors
-from fsdp_strategy.sharding.unshard import plain_optimizers, sharded_optimizers
+from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ class _Restore:
     """What a stage restores from the checkpoint ``path`` once the module is sharded."""
 
     path: Path | str
-    files: storage.CheckpointFiles | None = None  # a sharded checkpoint's; its optimizer states are read after setup
+    format: SavedFormat  # the format it was loaded with, which keeps what is read after setup
     model_state: dict[str, Any] | None = None  # a single file's weights for a module that had no values before sharding
     strict: bool | None = None  # set when the module state is still to be loaded
 
@@ -57,6 +59,7 @@ class CheckpointManager:
         self.init_weights = options.init_weights
         self.format: CheckpointFormat | None = None  # decided in setup(), or by the first save before any setup
         self.saves = background.BackgroundSave()
+        self._saved_as: SavedFormat | None = None
         self.restore: _Restore | None = None
         self._group: Any = None
 
@@ -81,15 +84,22 @@ class CheckpointManager:
         return self.format
 
     @property
-    def sharded(self) -> bool:
-        return self.checkpoint_format == CheckpointFormat.SHARDED
+    def saved_as(self) -> SavedFormat:
+        """The format that saves write, picked for the decided ``checkpoint_format``."""
+        kind = format_named(self.checkpoint_format.value)
+        if type(self._saved_as) is not kind:
+            self._saved_as = kind(self.strategy)
+        return self._saved_as
 
     def setup(self, model: nn.Module) -> None:
         """Decides the format for the stage's model (once per strategy) and checks the ``CheckpointIO`` plugin."""
         if self.format is None:
             self.format = self._choose_format(model)
         saving.check_checkpoint_io(
-            self.strategy.checkpoint_io, sharded=self.sharded, async_save=self.async_save, strategy=self.name
+            self.strategy.checkpoint_io,
+            sharded=not self.saved_as.single_file,
+            async_save=self.async_save,
+            strategy=self.name,
         )
 
     def _choose_format(self, model: nn.Module) -> CheckpointFormat:
@@ -115,15 +125,13 @@ class CheckpointManager:
 
     def model_state(self) -> dict[str, Any]:
         assert self.strategy.model is not None
-        return ckpt.model_state(self.strategy.model, full=not self.sharded)
+        return self.saved_as.model_state(self.strategy.model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         assert self.strategy.model is not None
-        return ckpt.optimizer_state(
-            self.strategy.model, optimizer, full=not self.sharded, keep=self.strategy.is_global_zero
-        )
+        return self.saved_as.optimizer_state(self.strategy.model, optimizer)
 
     def save(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
         """Writes the checkpoint aside, then renames it into place once every rank has finished, so a
@@ -131,39 +139,22 @@ class CheckpointManager:
         :class:`~fsdp_strategy.checkpoint.saving.CheckpointSaveError` on every rank. With ``async_save`` the writing
         runs in the background and the next save (or load, or the end of the stage) waits for it.
         Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
-        strategy = self.strategy
-        sharded = self.sharded
-        if sharded and storage_options is not None:
-            raise TypeError(
-                f"{self.name}.save_checkpoint does not take `storage_options` for sharded checkpoints; got"
-                f" {storage_options!r}. They are meant for a CheckpointIO plugin, which writes single files: pass"
-                ' `state_dict_type="full"`.'
-            )
+        strategy, saved_as = self.strategy, self.saved_as
+        saved_as.check_save(storage_options)
         self.wait()
-        if not sharded:  # sharded state a callback added (WeightAveraging's average), whole in the file as under DDP
-            checkpoint = ckpt.gather_dtensors(checkpoint, keep=strategy.is_global_zero)
-        path = storage.location(strategy.broadcast(str(filepath)))
-        token = strategy.broadcast(saving.staging_token())
+        where = location_of(strategy.broadcast(str(filepath)))
+        token = strategy.broadcast(staging_token())
         if strategy.is_global_zero:
-            saving.remove_stale_staging(storage.parent(path) if isinstance(path, str) else path.parent)
-        in_background = self.saves if self.async_save else None
-        if sharded:
-            saving.save_sharded(
-                checkpoint,
-                path,
-                token,
-                rank=strategy.global_rank,
-                background=in_background,
-                group=self._background_group,
-            )
-        elif storage_options is not None or not saving.is_default_checkpoint_io(strategy.checkpoint_io):
-            # The plugin writes the file as under DDP (Lightning's TorchCheckpointIO refuses `storage_options`).
-            saving.save_through(
-                strategy.checkpoint_io, checkpoint, filepath, storage_options, path=path, rank=strategy.global_rank
-            )
-        else:
-            live = lambda: background.live_storages(strategy.model, plain_optimizers(strategy.optimizers))  # noqa: E731
-            saving.save_full(checkpoint, path, token, rank=strategy.global_rank, background=in_background, live=live)
+            remove_stale_staging(where.parent)
+        saved_as.save(
+            checkpoint,
+            where,
+            token,
+            filepath=filepath,
+            storage_options=storage_options,
+            background=self.saves if self.async_save else None,
+            group=self._background_group,
+        )
 
     def _background_group(self) -> Any:
         # Background saves talk over their own gloo group, so they never interleave with the
@@ -206,33 +197,9 @@ class CheckpointManager:
         each rank reads its shards. Optimizer states are loaded into the sharded optimizers after ``setup``."""
         strategy = self.strategy
         self.wait()
-        path = storage.location(strategy.broadcast(str(checkpoint_path)))
-        module = strategy.lightning_module
-        assert module is not None
-        self.restore = _Restore(path)
-        if verify.looks_like_sharded_checkpoint(path):
-            # None: the user did not choose; torch.load's default since 2.6 is True.
-            trusted = weights_only is False
-
-            def check() -> str:
-                # On a URL, rank 0 follows the manifest once: every rank reads the files it named then.
-                files = storage.checkpoint_files(path)
-                verify.verify_sharded_checkpoint(files, weights_only=not trusted)
-                return str(files.source)
-
-            # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
-            source = strategy.broadcast(
-                on_rank_zero(check, CheckpointError, strategy.is_global_zero, strategy.broadcast)
-            )
-            self.restore.files = storage.files_at(source, name=path)
-            whole = not has_meta_tensors(module)
-            return ckpt.read_sharded(
-                self.restore.files, module, strict=module.strict_loading, weights_only=not trusted, whole=whole
-            )
-        if saving.is_default_checkpoint_io(strategy.checkpoint_io):
-            return ckpt.read_full_checkpoint(path, weights_only=weights_only)
-        source = checkpoint_path if storage.location(checkpoint_path) == path else path
-        return ckpt.require_state_dict(strategy.checkpoint_io.load_checkpoint(source, weights_only=weights_only), path)
+        where = location_of(strategy.broadcast(str(checkpoint_path)))
+        self.restore = _Restore(where.value, saved_format(where)(strategy))
+        return self.restore.format.load(where, checkpoint_path, weights_only=weights_only)
 
     def load_model_state(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         # As DDP, after `on_load_checkpoint`: the module's own `load_state_dict`, before sharding. A module without
@@ -253,11 +220,8 @@ class CheckpointManager:
         # As DDP's `optimizer.load_state_dict`: the optimizers are not stepped to create their state first.
         model = self.strategy.model
         assert model is not None
-        optimizers = sharded_optimizers(self.strategy.optimizers)
-        if self.restore is not None and self.restore.files is not None:
-            ckpt.load_sharded_optimizers(self.restore.files, model, optimizers, checkpoint["optimizer_states"])
-        else:
-            ckpt.load_full_optimizers(optimizers, checkpoint.get("optimizer_states", []))
+        loaded_as = self.restore.format if self.restore is not None else FullFormat(self.strategy)
+        loaded_as.load_optimizer_states(model, sharded_optimizers(self.strategy.optimizers), checkpoint)
 
     def _load_state_dict(self, state_dict: dict[str, Any], *, strict: bool) -> None:
         module = self.strategy.lightning_module
@@ -266,7 +230,7 @@ class CheckpointManager:
             module.load_state_dict(state_dict, strict=strict)
         except RuntimeError as error:  # torch's "Error(s) in loading state_dict": name the checkpoint and the keys
             path = self.restore.path if self.restore is not None else "<checkpoint>"
-            ckpt.check_full_state_dict(module, state_dict, strict=strict, path=path)
+            state_dicts.check_full_state_dict(module, state_dict, strict=strict, path=path)
             raise error
 
     def init_weights_loader(self) -> Callable[[nn.Module], None] | None:
@@ -277,13 +241,13 @@ class CheckpointManager:
     def _load_init_weights(self, model: nn.Module) -> None:
         path, strategy = self.init_weights, self.strategy
         weights = on_rank_zero(
-            lambda: ckpt.read_full_weights(path),  # type: ignore[arg-type]
+            lambda: state_dicts.read_full_weights(path),  # type: ignore[arg-type]
             lambda message: ValueError(f"Could not read `init_weights` '{path}' on rank 0: {message}"),
             strategy.is_global_zero,
             strategy.broadcast,
         )
         assert strategy.lightning_module is not None
-        ckpt.load_full_weights(model, weights or {}, strict=strategy.lightning_module.strict_loading)
+        state_dicts.load_full_weights(model, weights or {}, strict=strategy.lightning_module.strict_loading)
 
     def restore_after_sharding(self) -> None:
         """Loads the module state that a module without values could not take before it was sharded."""
@@ -292,6 +256,6 @@ class CheckpointManager:
             return
         if restore.model_state is not None:
             self._load_state_dict(restore.model_state, strict=bool(restore.strict))  # each rank keeps its shards
-        elif restore.files is not None and restore.strict is not None:
-            ckpt.load_sharded_model(restore.files, module, strict=restore.strict)
+        elif restore.strict is not None:
+            restore.format.load_model_after_sharding(module, strict=restore.strict)
         restore.model_state, restore.strict = None, None

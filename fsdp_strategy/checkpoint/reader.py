@@ -34,16 +34,14 @@ from fsdp_strategy.checkpoint.dcp_metadata import (
     read_dcp_metadata,
 )
 from fsdp_strategy.checkpoint.errors import first_line
-from fsdp_strategy.checkpoint.io import load_checkpoint_file
+from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.state_dicts import load_checkpoint_file
 from fsdp_strategy.checkpoint.trainer_state import (
     TRAINER_STATE_FILENAME,
     load_trainer_state,
     torch_load,
 )
-from fsdp_strategy.checkpoint.verify import (
-    looks_like_sharded_checkpoint,
-    verify_sharded_checkpoint,
-)
+from fsdp_strategy.checkpoint.verify import is_sharded_checkpoint, verify_sharded_checkpoint
 
 __all__ = ["OpenedCheckpoint", "open_checkpoint"]
 
@@ -163,17 +161,18 @@ def open_checkpoint(
     Raises ``FileNotFoundError`` if nothing is there, ``ValueError`` if it is not a checkpoint (with
     ``sharded_only``: not a sharded one), :class:`~fsdp_strategy.CheckpointError` if it is damaged.
     """
-    source = storage.location(checkpoint)
-    if not sharded_only and not looks_like_sharded_checkpoint(source):
+    where = location_of(checkpoint)
+    source = where.value
+    if not sharded_only and not is_sharded_checkpoint(where):
         return OpenedCheckpoint(source, weights_only)
-    if isinstance(source, Path):
-        if not source.exists():
+    if not where.remote:  # a URL's manifest says what is there
+        if not where.exists():
             raise FileNotFoundError(f"checkpoint directory {source} does not exist")
-        if not source.is_dir():
+        if not where.is_dir():
             raise ValueError(
                 f"{source} is not a directory; expected a sharded checkpoint directory (with .metadata and meta.pt)"
             )
-    files = storage.checkpoint_files(source)  # a URL: its manifest, read once
+    files = storage.checkpoint_files(where)  # a URL: its manifest, read once
     if not files.is_file(DCP_METADATA_FILENAME):
         raise ValueError(
             f"{source} is not a sharded checkpoint: it has no {DCP_METADATA_FILENAME} file"

@@ -12,13 +12,12 @@ and :class:`ResumingLauncher` hands that URL to the Trainer call in place of ``"
 from __future__ import annotations
 
 import inspect
-import os
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsdp_strategy._compat import ScriptLauncher
-from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.checkpoint.location import location_of
 
 __all__ = ["ResumingLauncher", "find_last", "resolve_ckpt_path"]
 
@@ -32,7 +31,7 @@ def find_last(callbacks: Iterable[Any]) -> str | None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     checkpointers = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
-    if not any(storage.is_url(c.dirpath) for c in checkpointers):
+    if not any(location_of(c.dirpath).remote for c in checkpointers):
         return None
     found: dict[str, float] = {}
     for callback in checkpointers:
@@ -44,26 +43,19 @@ def find_last(callbacks: Iterable[Any]) -> str | None:
 
 
 def _candidates(directory: str, pattern: re.Pattern[str]) -> dict[str, float]:
-    if not storage.is_url(directory):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            return {}
-        paths = [os.path.join(directory, name) for name in names if pattern.match(name)]
-        return {path: os.path.getmtime(path) for path in paths if os.path.exists(path)}
-    fs, root = storage.filesystem(directory)
-    fs.invalidate_cache()
+    where = location_of(directory)
     try:
-        entries = fs.ls(root, detail=True)
-    except FileNotFoundError:
+        entries = where.entries()
+    except OSError:
         return {}
-    result = {}
+    found = {}
     for entry in entries:
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-        if entry.get("type") == "file" and pattern.match(name):
-            url = storage.join(directory, name)
-            result[url] = storage.modified(url)
-    return result
+        # On a URL every checkpoint is one object (a sharded one's manifest); locally a sharded one is a directory.
+        if pattern.match(name) and (entry.get("type") == "file" or not where.remote):
+            candidate = where.join(name)
+            found[str(candidate)] = candidate.modified()
+    return found
 
 
 def resolve_ckpt_path(

@@ -1,10 +1,8 @@
 """How a checkpoint save ends: together on every rank, with a failure named and its files removed.
 
-A save is written under a hidden staging name and renamed into place when complete (see
-:mod:`fsdp_strategy.checkpoint.io`). Around that, this module:
+A save is written under a hidden staging name (:mod:`~fsdp_strategy.checkpoint.staging`) and put in place when
+complete (:mod:`~fsdp_strategy.checkpoint.writing`). Around that, this module:
 
-- names the staging entry after its writer (``.partial-<host>-<pid>-<id>``), so that the staging
-  left by a crashed run can be told from one that another job is writing right now;
 - turns a failed write on any rank into the same :class:`CheckpointSaveError` on every rank
   (:func:`settle`), naming the checkpoint and the cause, a full disk included, and removes the
   attempt's staging files;
@@ -15,13 +13,7 @@ A save is written under a hidden staging name and renamed into place when comple
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
-import posixpath
-import shutil
-import socket
-import time
-import uuid
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -34,13 +26,11 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_strategy.checkpoint import io as ckpt
-from fsdp_strategy.checkpoint import storage, writing
+from fsdp_strategy.checkpoint import writing
 from fsdp_strategy.checkpoint.background import SAVE_ERRORS, BackgroundSave, snapshot
-from fsdp_strategy.checkpoint.trainer_state import (
-    check_trainer_state,
-    write_trainer_state,
-)
+from fsdp_strategy.checkpoint.layout import split_checkpoint
+from fsdp_strategy.checkpoint.location import Location, location_of
+from fsdp_strategy.checkpoint.trainer_state import check_trainer_state, write_trainer_state
 from fsdp_strategy.sizes import format_bytes
 
 __all__ = [
@@ -49,20 +39,17 @@ __all__ = [
     "check_checkpoint_io",
     "describe_failure",
     "is_default_checkpoint_io",
-    "remove_stale_staging",
     "remover",
     "save_full",
     "save_sharded",
     "save_through",
     "settle",
-    "staging_token",
 ]
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A write fails for want of space when the filesystem is full to the last blocks; a failure whose
 # OSError torch hid is taken for a full disk when less than this is free where it was writing.
 _NEARLY_FULL_BYTES = 1 << 20
-_PROCESS_START = time.time()
 
 
 class CheckpointSaveError(OSError):
@@ -79,150 +66,6 @@ class CheckpointSaveError(OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-# --- staging names ------------------------------------------------------------------------------
-
-
-def staging_token() -> str:
-    """``<host>-<pid>-<id>``: the machine (hashed: hex digits only, so the name never holds "last") and
-    process that write the staging entry, then a random id."""
-    return f"{_host_id()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def _host_id() -> str:
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def remove_stale_staging(directory: Path | str) -> list[Path | str]:
-    """Removes the staging entries in ``directory`` that crashed runs left; warns about those it cannot judge.
-
-    An entry is removed when its writer was a process of this machine that no longer runs and it
-    was last changed before this process started, so that a save in progress (of this job or of
-    another one writing into the same directory) is never touched. Entries written on another
-    machine, or named by an older version, are kept and named in a warning if they are older than
-    this process. On a URL the entries are the shard prefixes that no manifest names (see
-    :mod:`fsdp_strategy.checkpoint.storage`). Returns the removed entries; never raises.
-    """
-    if storage.is_url(directory):
-        return _remove_stale_remote(str(directory))
-    removed: list[Path | str] = []
-    unknown = []
-    try:
-        entries = [e for e in Path(directory).iterdir() if e.name.startswith(writing.PARTIAL_PREFIX)]
-    except OSError:
-        return []
-    for entry in entries:
-        try:
-            if _last_change(entry) >= _PROCESS_START:
-                continue
-            owner = _owner(entry.name)
-            if owner is None or owner[0] != _host_id():
-                unknown.append(entry)
-            elif not _process_runs(owner[1]):
-                writing.remove_path(entry)
-                removed.append(entry)
-        except FileNotFoundError:  # removed meanwhile, e.g. by the job that wrote it
-            continue
-        except OSError as error:
-            warnings.warn(
-                f"Could not remove the staging entry '{entry}' that an earlier save left: {error}.", stacklevel=2
-            )
-    _warn_unknown(directory, [e.name for e in unknown])
-    return removed
-
-
-def _warn_unknown(directory: Path | str, names: list[str]) -> None:
-    if names:
-        shown = ", ".join(f"'{name}'" for name in sorted(names))
-        warnings.warn(
-            f"'{directory}' holds staging entries of checkpoint saves that did not finish: {shown}. They were"
-            " written on another machine or by an older version, so they are kept in case their job is still"
-            " saving; delete them once no job writes into this directory.",
-            stacklevel=3,
-        )
-
-
-def _remove_stale_remote(directory: str) -> list[Path | str]:
-    """The shard prefixes in ``directory`` that no manifest names, whose writer was a process of this
-    machine that no longer runs, unchanged since before this process started."""
-    try:
-        fs, root = storage.filesystem(directory)
-        fs.invalidate_cache()
-        entries = fs.ls(root, detail=True)
-    except (OSError, ValueError):
-        return []
-    names = {posixpath.basename(e["name"].rstrip("/")): e for e in entries}
-    staged = [name for name in names if name.startswith(storage.DATA_PREFIX)]
-    if not staged:
-        return []
-    referenced = set()
-    for name, entry in names.items():
-        if entry.get("type") == "file" and not name.startswith("."):
-            try:
-                manifest = storage.read_manifest(storage.join(directory, name))
-            except (OSError, ValueError):
-                continue
-            if manifest is not None:
-                referenced.add(manifest.get("data"))
-    removed: list[Path | str] = []
-    unknown = []
-    for name in staged:
-        if name in referenced:
-            continue
-        url = storage.join(directory, name)
-        try:
-            stamps = [
-                info.get("LastModified") or info.get("mtime") or info.get("created")
-                for info in fs.find(storage.filesystem(url)[1], detail=True).values()
-            ]
-            newest = max((_timestamp(stamp) for stamp in stamps if stamp is not None), default=0.0)
-            if newest >= _PROCESS_START:
-                continue
-            owner = _owner(name)
-            if owner is None or owner[0] != _host_id():
-                unknown.append(name)
-            elif not _process_runs(owner[1]):
-                storage.remove_data(url)
-                removed.append(url)
-        except (OSError, ValueError) as error:
-            warnings.warn(
-                f"Could not remove the staging entry '{url}' that an earlier save left: {error}.", stacklevel=2
-            )
-    _warn_unknown(directory, unknown)
-    return removed
-
-
-def _timestamp(stamp: Any) -> float:
-    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
-
-
-def _owner(name: str) -> tuple[str, int] | None:
-    prefix = next((p for p in (writing.PARTIAL_PREFIX, storage.DATA_PREFIX) if name.startswith(p)), None)
-    if prefix is None:
-        return None
-    parts = name[len(prefix) :].split("-")
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return parts[0], int(parts[1])
-
-
-def _last_change(entry: Path) -> float:
-    """The latest modification time of the entry and, for a directory, of the files in it."""
-    times = [entry.lstat().st_mtime]
-    if entry.is_dir() and not entry.is_symlink():
-        times += [child.lstat().st_mtime for child in entry.iterdir()]
-    return max(times)
-
-
-def _process_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 # --- failures -----------------------------------------------------------------------------------
@@ -246,8 +89,9 @@ def describe_failure(error: BaseException, *, checkpoint: Path | str, rank: int)
     if isinstance(error, CheckpointException) and error.failures:
         failing_rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
     os_error = writing.os_error_in(cause)
-    where = storage.parent(checkpoint) if storage.is_url(checkpoint) else Path(checkpoint).parent
-    free = _free_bytes(where) if os_error is None and isinstance(where, Path) else None
+    parent = location_of(checkpoint).parent
+    where = parent.value
+    free = parent.free_bytes() if os_error is None else None
     if os_error is None and free is not None and free < _NEARLY_FULL_BYTES:
         hidden = f"{type(cause).__name__}: {_first_line(cause)}"
         return (
@@ -265,7 +109,7 @@ def settle(
     error: BaseException | None,
     *,
     checkpoint: Path | str,
-    staging: Path | str | None,
+    staging: Location | None,
     rank: int,
     plugin: str | None = None,
 ) -> None:
@@ -304,7 +148,7 @@ def _report(error: BaseException, *, checkpoint: Path | str, rank: int, plugin: 
     return describe_failure(error, checkpoint=checkpoint, rank=rank)
 
 
-def _discard(staging: Path | str) -> None:
+def _discard(staging: Location) -> None:
     # Every rank removes the entry (on node-local disks each holds its own), so a peer may be
     # removing the same files at the same time.
     for _ in range(3):
@@ -318,15 +162,6 @@ def _discard(staging: Path | str) -> None:
             return
 
 
-def _free_bytes(directory: Path) -> int | None:
-    for candidate in (directory, *directory.parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
-    return None
-
-
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else repr(error)
@@ -337,7 +172,7 @@ def _first_line(error: BaseException) -> str:
 
 def save_sharded(
     checkpoint: dict[str, Any],
-    path: Path | str,
+    path: Location | Path | str,
     token: str,
     *,
     rank: int,
@@ -349,13 +184,14 @@ def save_sharded(
     With ``background`` the writing continues in DCP's thread over the process group ``group()``;
     its outcome is settled by the next wait.
     """
+    path = location_of(path)
     staging = writing.staging_path(path, token)
-    tensors, rest = ckpt.split_checkpoint(checkpoint)
+    tensors, rest = split_checkpoint(checkpoint)
     # Refuse trainer state that torch.save cannot write, on every rank, before any rank starts writing.
-    trainer_state_data = check_trainer_state(rest, checkpoint=path)
-    if background is None:  # writing.save_sharded splits the checkpoint again
-        error = attempt(lambda: _save_and_publish(staging, path, checkpoint, rank=rank))
-        settle(error, checkpoint=path, staging=staging, rank=rank)
+    trainer_state_data = check_trainer_state(rest, checkpoint=path.value)
+    if background is None:
+        error = attempt(lambda: _save_and_publish(staging, path, tensors, trainer_state_data, rank=rank))
+        settle(error, checkpoint=path.value, staging=staging, rank=rank)
         return
     # Tensors are copied to host memory before async_save returns, and the trainer state is pickled
     # already (the bytes written to meta.pt); training may change both after.
@@ -365,18 +201,20 @@ def save_sharded(
         if rank == 0
         else None
     )
-    background.submit(future, checkpoint=path, staging=staging, then=finish)
+    background.submit(future, checkpoint=path.value, staging=staging, then=finish)
 
 
-def _save_and_publish(staging: Path | str, path: Path | str, checkpoint: dict[str, Any], *, rank: int) -> None:
-    writing.save_sharded(staging, checkpoint, is_rank_zero=rank == 0)
+def _save_and_publish(
+    staging: Location, path: Location, tensors: dict[str, Any], trainer_state: bytes, *, rank: int
+) -> None:
+    writing.write_sharded(staging, tensors, trainer_state, is_rank_zero=rank == 0)
     if rank == 0:
         writing.publish(staging, path)
 
 
 def save_full(
     checkpoint: dict[str, Any],
-    path: Path | str,
+    path: Location | Path | str,
     token: str,
     *,
     rank: int,
@@ -388,13 +226,14 @@ def save_full(
     With ``background`` rank 0 writes a :func:`snapshot` of the tensors in ``live()`` storages on a
     thread; every rank records the save, so that the next wait settles it on all of them.
     """
+    path = location_of(path)
     staging = writing.staging_path(path, token)
     if background is not None:
         work = partial(writing.save_full_file, path, snapshot(checkpoint, live()), token) if rank == 0 else None
-        background.submit(work, checkpoint=path, staging=staging)
+        background.submit(work, checkpoint=path.value, staging=staging)
         return
     error = attempt(lambda: writing.save_full_file(path, checkpoint, token)) if rank == 0 else None
-    settle(error, checkpoint=path, staging=staging, rank=rank)
+    settle(error, checkpoint=path.value, staging=staging, rank=rank)
 
 
 def save_through(
@@ -403,13 +242,13 @@ def save_through(
     filepath: Any,
     storage_options: Any,
     *,
-    path: Path | str,
+    path: Location | Path | str,
     rank: int,
 ) -> None:
     """Rank 0 hands the checkpoint to a ``CheckpointIO`` plugin, as DDP does; every rank settles the outcome."""
     save = lambda: plugin.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
     error = attempt(save) if rank == 0 else None
-    settle(error, checkpoint=path, staging=None, rank=rank, plugin=type(plugin).__name__)
+    settle(error, checkpoint=location_of(path).value, staging=None, rank=rank, plugin=type(plugin).__name__)
 
 
 # --- CheckpointIO plugins -----------------------------------------------------------------------
@@ -453,5 +292,5 @@ def check_checkpoint_io(plugin: CheckpointIO, *, sharded: bool, async_save: bool
 def remover(plugin: CheckpointIO) -> Callable[[Any], Any]:
     """How a replaced checkpoint is removed: by the plugin, or (staged files and shard directories) here."""
     if is_default_checkpoint_io(plugin):
-        return lambda path: writing.remove_path(storage.location(path))
+        return writing.remove_path
     return plugin.remove_checkpoint

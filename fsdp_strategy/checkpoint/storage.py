@@ -1,7 +1,8 @@
-"""Where checkpoints live: a local path, or an fsspec URL (``s3://``, ``gs://``, ``memory://``, ...).
+"""The files of a checkpoint wherever it lives (a :class:`~fsdp_strategy.checkpoint.location.Location`), and the
+manifests that name sharded checkpoints on URLs.
 
 A local path (``file://`` URLs included) keeps the directory layout and the rename into place of
-:mod:`fsdp_strategy.checkpoint.io`. Object stores have no atomic rename, and a prefix of objects is
+:mod:`fsdp_strategy.checkpoint.writing`. Object stores have no atomic rename, and a prefix of objects is
 visible to a listing as soon as its first object is written, so a sharded checkpoint on a URL is
 published differently:
 
@@ -20,8 +21,6 @@ on the same store, and every reader (:func:`checkpoint_files`) goes through the 
 from __future__ import annotations
 
 import json
-import os
-import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from fsdp_strategy._compat import FsspecReader
 from fsdp_strategy.checkpoint.errors import damaged
+from fsdp_strategy.checkpoint.location import Location, filesystem, is_url, location_of
 
 __all__ = [
     "DATA_PREFIX",
@@ -41,96 +41,48 @@ __all__ = [
     "is_url",
     "join",
     "location",
-    "modified",
-    "name",
-    "parent",
+    "published_data",
     "read_checkpoint_file",
     "read_manifest",
     "remove",
+    "remove_data",
     "write_manifest",
 ]
 
 DATA_PREFIX = ".shards-"
 MANIFEST_FORMAT = "fsdp_strategy/sharded-checkpoint"
 _MANIFEST_MAX_BYTES = 1 << 16
-_LOCAL_PROTOCOLS = ("file", "local")
-
-
-def _protocol(path: Any) -> str | None:
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-    head, separator, _ = text.partition("://")
-    return head if separator and head and "/" not in head else None
-
-
-def is_url(path: Any) -> bool:
-    """A URL of a filesystem other than the local one (``s3://b/x``; not ``/x``, ``file:///x``).
-
-    A ``pathlib.Path`` is never one: ``Path("s3://b/x")`` has already collapsed into ``s3:/b/x``.
-    """
-    if isinstance(path, Path):
-        return False
-    protocol = _protocol(path)
-    return protocol is not None and protocol not in _LOCAL_PROTOCOLS
 
 
 def location(path: Any) -> Path | str:
-    """A checkpoint location as the package handles it: a URL as a string, a local path as a ``Path``."""
-    if is_url(path):
-        return str(path)
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-    if _protocol(text) in _LOCAL_PROTOCOLS:
-        text = text.partition("://")[2]
-    return Path(text)
-
-
-def filesystem(url: str) -> tuple[Any, str]:
-    """``(fs, path)`` of a URL, as Lightning and DCP resolve it (``fsspec.core.url_to_fs``)."""
-    from fsspec.core import url_to_fs
-
-    try:
-        return url_to_fs(url)
-    except (ImportError, ValueError) as error:
-        protocol = _protocol(url)
-        raise ValueError(
-            f"Cannot open checkpoint location '{url}': fsspec has no working filesystem for '{protocol}://'"
-            f" ({error}). For S3 install the extra: pip install 'fsdp-strategy[s3]' (s3fs); for other stores"
-            " the fsspec implementation they name (gcsfs, adlfs, ...)."
-        ) from error
+    """A checkpoint location as messages name it: a URL as a string, a local path as a ``Path``."""
+    return location_of(path).value
 
 
 def join(url: str, name: str) -> str:
-    return url.rstrip("/") + "/" + name
-
-
-def parent(url: str) -> str:
-    protocol, _, rest = url.partition("://")
-    return f"{protocol}://{posixpath.dirname(rest.rstrip('/'))}"
-
-
-def name(url: str) -> str:
-    return posixpath.basename(url.rstrip("/"))
+    return str(location_of(url).join(name))
 
 
 # --- manifests ------------------------------------------------------------------------------------
 
 
-def write_manifest(url: str, data_name: str) -> None:
+def write_manifest(url: Any, data_name: str) -> None:
     """Gives the sharded checkpoint under the prefix ``data_name`` (next to ``url``) the name ``url``: one write."""
-    fs, path = filesystem(url)
     document = {"format": MANIFEST_FORMAT, "version": 1, "data": data_name}
-    fs.pipe(path, json.dumps(document).encode())
+    location_of(url).write_bytes(json.dumps(document).encode())
 
 
-def read_manifest(url: str) -> dict[str, Any] | None:
+def read_manifest(url: Any) -> dict[str, Any] | None:
     """The manifest at ``url``; ``None`` if ``url`` is another object (a single-file checkpoint).
 
     Raises ``FileNotFoundError`` if nothing is there.
     """
-    fs, path = filesystem(url)
+    where = location_of(url)
+    fs, path = where.filesystem()
     try:
         info = fs.info(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"Checkpoint '{url}' does not exist.") from None
+        raise FileNotFoundError(f"Checkpoint '{where}' does not exist.") from None
     if info.get("type") != "file" or (info.get("size") or 0) > _MANIFEST_MAX_BYTES:
         return None
     data = fs.cat_file(path)
@@ -145,37 +97,35 @@ def read_manifest(url: str) -> dict[str, Any] | None:
     return document
 
 
-def data_url(url: str, manifest: dict[str, Any]) -> str:
+def published_data(url: Any) -> Location | None:
+    """The shard prefix that the manifest at ``url`` names; ``None`` where there is no manifest (or nothing)."""
+    try:
+        manifest = read_manifest(url)
+    except FileNotFoundError:
+        return None
+    return None if manifest is None else location_of(data_url(url, manifest))
+
+
+def data_url(url: Any, manifest: dict[str, Any]) -> str:
     """Where the files of the checkpoint ``url`` are: the prefix its manifest names, next to it."""
+    where = location_of(url)
     data = manifest.get("data")
     if not isinstance(data, str) or not data.startswith(DATA_PREFIX) or "/" in data:
-        raise damaged(url, name(url), f"its manifest names no shard prefix of this checkpoint ({data!r}).")
-    return join(parent(url), data)
+        raise damaged(str(where), where.name, f"its manifest names no shard prefix of this checkpoint ({data!r}).")
+    return str(where.parent.join(data))
 
 
-def remove(url: str) -> None:
-    """Removes the checkpoint ``url``: a manifest first (the name disappears at once), then its files."""
-    fs, path = filesystem(url)
-    if not fs.exists(path):
-        return
-    manifest = read_manifest(url) if fs.isfile(path) else None
-    fs.rm(path, recursive=True)
+def remove(path: Any) -> None:
+    """Removes the checkpoint at ``path``: a manifest first (the name disappears at once), then the files it names."""
+    where = location_of(path)
+    manifest = read_manifest(where) if where.is_file() else None
+    where.remove()  # nothing if nothing is there
     if manifest is not None:
-        remove_data(data_url(url, manifest))
+        remove_data(data_url(where, manifest))
 
 
-def remove_data(url: str) -> None:
-    fs, path = filesystem(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-    fs.invalidate_cache()
-
-
-def modified(url: str) -> float:
-    """The time the checkpoint at ``url`` was published (its manifest or file written), in seconds."""
-    fs, path = filesystem(url)
-    stamp = fs.modified(path)
-    return stamp.timestamp()
+def remove_data(url: Any) -> None:
+    location_of(url).remove()
 
 
 # --- reading the files of a sharded checkpoint ----------------------------------------------------
@@ -185,65 +135,69 @@ def modified(url: str) -> float:
 class CheckpointFiles:
     """The files of one sharded checkpoint: a local directory, or the prefix that a remote manifest names.
 
-    ``name`` is how messages name the checkpoint (the path or URL the user gave); ``source`` is what
-    DCP's readers open (a local path, or the prefix's URL).
+    ``name`` is how messages name the checkpoint (the path or URL the user gave); ``data`` is where its files
+    are, which DCP's readers open.
     """
 
-    fs: Any
-    root: str
+    data: Location
     name: Path | str
-    source: Path | str
 
     @property
-    def remote(self) -> bool:
-        return isinstance(self.source, str)
+    def fs(self) -> Any:
+        return self.data.filesystem()[0]
+
+    @property
+    def root(self) -> str:
+        return self.data.filesystem()[1]
+
+    @property
+    def source(self) -> Path | str:
+        return self.data.value
 
     def path(self, relative: str) -> str:
-        return (
-            self.fs.sep.join([self.root.rstrip(self.fs.sep), relative])
-            if self.remote
-            else str(Path(self.root) / relative)
-        )
+        return str(self.data.join(relative))
 
     def is_dir(self) -> bool:
-        return self.fs.isdir(self.root)
+        return self.data.is_dir()
 
     def is_file(self, relative: str) -> bool:
-        return self.fs.isfile(self.path(relative))
+        return self.data.join(relative).is_file()
 
     def exists(self, relative: str) -> bool:
-        return self.fs.exists(self.path(relative))
+        return self.data.join(relative).exists()
 
     def size(self, relative: str) -> int:
         """Raises ``FileNotFoundError`` for a missing file."""
-        return int(self.fs.size(self.path(relative)))
+        fs, path = self.data.join(relative).filesystem()
+        return int(fs.size(path))
 
     def read_bytes(self, relative: str) -> bytes:
-        return self.fs.cat_file(self.path(relative))
+        return self.data.join(relative).read_bytes()
 
     def read_range(self, relative: str, offset: int, length: int) -> bytes:
-        return self.fs.cat_file(self.path(relative), start=offset, end=offset + length)
+        fs, path = self.data.join(relative).filesystem()
+        return fs.cat_file(path, start=offset, end=offset + length)
+
+    def open(self, relative: str) -> Any:
+        return self.data.join(relative).open("rb")
 
     def names(self) -> list[str]:
-        return [posixpath.basename(entry.rstrip("/")) for entry in self.fs.ls(self.root, detail=False)]
+        return self.data.names()
 
     def readable(self, relative: str) -> bool:
-        return self.remote or os.access(self.path(relative), os.R_OK)
+        return self.data.join(relative).readable()
 
     def reader(self) -> Any:
         """DCP's storage reader for these files."""
-        return FsspecReader(self.source) if self.remote else FileSystemReader(self.source)
+        return FsspecReader(self.source) if self.data.remote else FileSystemReader(self.source)
 
 
-def files_at(source: str, *, name: Path | str) -> CheckpointFiles:
+def files_at(source: Any, *, name: Path | str) -> CheckpointFiles:
     """The :class:`CheckpointFiles` whose ``source`` (a local directory or a shard prefix's URL) is given."""
-    if not is_url(source):
-        return checkpoint_files(Path(source))
-    fs, root = filesystem(source)
-    return CheckpointFiles(fs, root, name, source)
+    return CheckpointFiles(location_of(source), name)
 
 
-def checkpoint_files(path: Path | str | CheckpointFiles) -> CheckpointFiles:
+def checkpoint_files(path: Any) -> CheckpointFiles:
     """The files of the sharded checkpoint at ``path``: the directory itself, or (a URL) what its manifest names.
 
     Raises ``FileNotFoundError`` for a URL where nothing is, ``ValueError`` for a URL that is another
@@ -251,19 +205,15 @@ def checkpoint_files(path: Path | str | CheckpointFiles) -> CheckpointFiles:
     """
     if isinstance(path, CheckpointFiles):
         return path
-    where = location(path)
-    if isinstance(where, Path):
-        from fsspec.implementations.local import LocalFileSystem
-
-        return CheckpointFiles(LocalFileSystem(), str(where), where, where)
+    where = location_of(path)
+    if not where.remote:
+        return CheckpointFiles(where, where.value)
     manifest = read_manifest(where)
     if manifest is None:
         raise ValueError(
             f"Checkpoint '{where}' is a single file, not a sharded checkpoint (its name holds no manifest)."
         )
-    data = data_url(where, manifest)
-    fs, root = filesystem(data)
-    return CheckpointFiles(fs, root, where, data)
+    return CheckpointFiles(location_of(data_url(where, manifest)), where.value)
 
 
 def read_checkpoint_file(checkpoint: Any, name: str) -> bytes:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import pathlib
 import pickle
 import re
@@ -36,14 +35,8 @@ from fsdp_strategy.checkpoint.errors import (
     first_line,
     refused,
 )
-from fsdp_strategy.checkpoint.storage import (
-    checkpoint_files,
-    filesystem,
-    is_url,
-    join,
-    location,
-    read_checkpoint_file,
-)
+from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.storage import checkpoint_files, read_checkpoint_file
 
 __all__ = [
     "ACCEPTED_TYPES",
@@ -252,30 +245,18 @@ def save_trainer_state(path: Path | str, state: Mapping[str, Any]) -> None:
 
     Raises ``TypeError`` (see :func:`check_trainer_state`) before writing anything if ``state`` cannot be saved.
     """
-    path = location(path)
-    write_trainer_state(path, check_trainer_state(state, checkpoint=path))
+    where = location_of(path)
+    write_trainer_state(where, check_trainer_state(state, checkpoint=where.value))
 
 
-def write_trainer_state(path: Path | str, data: bytes) -> None:
+def write_trainer_state(path: Any, data: bytes) -> None:
     """Writes ``data``, the trainer state as :func:`check_trainer_state` returned it, to ``path / "meta.pt"`` atomically.
 
     A background save checks the state when it starts and writes these bytes when the shards are in:
     they are the state as it was at the save, whatever training changes meanwhile. ``path`` may be a URL
     (see :mod:`fsdp_strategy.checkpoint.storage`), where writing one object is atomic.
     """
-    if is_url(path):
-        fs, root = filesystem(str(path))
-        fs.pipe(join(root, TRAINER_STATE_FILENAME), data)
-        return
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    target = path / TRAINER_STATE_FILENAME
-    partial = path / f"{TRAINER_STATE_FILENAME}.partial"
-    with open(partial, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(partial, target)
+    location_of(path).join(TRAINER_STATE_FILENAME).write_bytes(data)
 
 
 def load_trainer_state(path: Any, *, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:

@@ -35,12 +35,8 @@ from fsdp_strategy.checkpoint.errors import (
     first_line,
     refused,
 )
-from fsdp_strategy.checkpoint.storage import (
-    CheckpointFiles,
-    checkpoint_files,
-    is_url,
-    read_manifest,
-)
+from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.storage import CheckpointFiles, checkpoint_files, read_manifest
 from fsdp_strategy.checkpoint.trainer_state import (
     TRAINER_STATE_FILENAME,
     load_trainer_state,
@@ -52,7 +48,7 @@ __all__ = [
     "check_model_matches",
     "compare_keys",
     "is_half_written",
-    "looks_like_sharded_checkpoint",
+    "is_sharded_checkpoint",
     "saved_shapes",
     "state_dict_shapes",
     "verify_sharded_checkpoint",
@@ -67,39 +63,38 @@ Shape = tuple[int, ...] | None
 # --- the directory as a whole ---------------------------------------------------------------------
 
 
-def looks_like_sharded_checkpoint(path: Path | str) -> bool:
-    """A directory holding any part of a sharded checkpoint (``.metadata``, ``meta.pt`` or a shard file),
-    or a URL whose name is a sharded checkpoint's manifest (see :mod:`fsdp_strategy.checkpoint.storage`).
+def is_sharded_checkpoint(path: Any) -> bool:
+    """Whether the checkpoint at ``path`` is sharded (rather than one file): the one test of it in the package.
 
-    Unlike ``checkpoint.is_sharded_checkpoint`` this is also true for a half-written local one, so that
-    loading it ends in a clear :class:`CheckpointError` rather than in an attempt to read a directory
-    as a single-file checkpoint.
+    A directory holding any part of a sharded checkpoint (``.metadata``, ``meta.pt`` or a shard file), or a URL
+    whose name is a sharded checkpoint's manifest (see :mod:`fsdp_strategy.checkpoint.storage`). A half-written
+    local one counts, so that loading it ends in a clear :class:`CheckpointError` naming the missing file rather
+    than in an attempt to read a directory as a single-file checkpoint.
     """
-    if is_url(path):
+    where = location_of(path)
+    if where.remote:
         try:
-            return read_manifest(str(path)) is not None
+            return read_manifest(where) is not None
         except FileNotFoundError:
             return False
-    path = Path(path)
-    if not path.is_dir():
+    if not where.is_dir():
         return False
-    if (path / DCP_METADATA_FILENAME).exists() or (path / TRAINER_STATE_FILENAME).exists():
+    if where.join(DCP_METADATA_FILENAME).exists() or where.join(TRAINER_STATE_FILENAME).exists():
         return True
-    return any(child.name.endswith(SHARD_SUFFIX) for child in path.iterdir())
+    return any(name.endswith(SHARD_SUFFIX) for name in where.names())
 
 
-def is_half_written(path: Path | str) -> bool:
+def is_half_written(path: Any) -> bool:
     """A sharded checkpoint directory that lacks ``.metadata`` or ``meta.pt``: an interrupted save, or a partly deleted one.
 
     DCP writes ``.metadata`` only after every rank wrote its shard file, so shard files without it were
     never finished; the trainer state is written separately by rank 0. A checkpoint on a URL is never
     half-written under its name: the name appears only once it is complete.
     """
-    if is_url(path):
+    where = location_of(path)
+    if where.remote or not is_sharded_checkpoint(where):
         return False
-    path = Path(path)
-    complete = (path / DCP_METADATA_FILENAME).is_file() and (path / TRAINER_STATE_FILENAME).is_file()
-    return looks_like_sharded_checkpoint(path) and not complete
+    return not (where.join(DCP_METADATA_FILENAME).is_file() and where.join(TRAINER_STATE_FILENAME).is_file())
 
 
 def verify_sharded_checkpoint(path: Path | str | CheckpointFiles, *, weights_only: bool = True) -> None:
@@ -113,17 +108,22 @@ def verify_sharded_checkpoint(path: Path | str | CheckpointFiles, *, weights_onl
     pickled objects are loaded whatever they are, running the code they name. ``path`` may be a URL
     (its manifest is followed) or the :class:`~fsdp_strategy.checkpoint.storage.CheckpointFiles` of one.
     """
-    if not isinstance(path, CheckpointFiles) and not is_url(path) and not Path(path).is_dir():
+    files = path if isinstance(path, CheckpointFiles) else _local_directory_or_url(path)
+    metadata = read_dcp_metadata(files)
+    _check_shard_files(files, metadata)
+    _check_byte_entries(files, metadata, weights_only=weights_only)
+    load_trainer_state(files, weights_only=weights_only)
+
+
+def _local_directory_or_url(path: Path | str) -> CheckpointFiles:
+    where = location_of(path)
+    if not where.remote and not where.is_dir():  # on a URL, the manifest tells (checkpoint_files)
         raise CheckpointError(
             f"Checkpoint '{path}' is not a directory; a sharded checkpoint is a directory with"
             f" '{DCP_METADATA_FILENAME}', shard files and '{TRAINER_STATE_FILENAME}'.",
             checkpoint=Path(path),
         )
-    files = checkpoint_files(path)
-    metadata = read_dcp_metadata(files)
-    _check_shard_files(files, metadata)
-    _check_byte_entries(files, metadata, weights_only=weights_only)
-    load_trainer_state(files, weights_only=weights_only)
+    return checkpoint_files(where)
 
 
 # --- shard files ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.checkpoint.errors import damaged
-from fsdp_strategy.checkpoint.io import MODEL_KEY
+from fsdp_strategy.checkpoint.layout import MODEL_KEY
 from fsdp_strategy.checkpoint.reader import OpenedCheckpoint, open_checkpoint
 
 __all__ = ["ModelWeights", "WeightEntry", "read_model_weights"]
@@ -125,7 +125,7 @@ def _read_rows(
     for relative, offset, length, count in rows:
         if count == 0:
             continue
-        with files.fs.open(files.path(relative), "rb") as stream:
+        with files.open(relative) as stream:
             # torch.load reads the block's storage straight from the file: one copy in memory, the block's.
             block = torch.load(_Slice(stream, offset, length), map_location="cpu", weights_only=True)
         expected = (count, *tuple(md.size)[1:])

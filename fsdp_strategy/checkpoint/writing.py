@@ -3,17 +3,15 @@ named by a manifest written in one go), so that a crash at any moment leaves a c
 
 :func:`save_sharded` writes a Distributed Checkpoint directory (every rank its shards, rank 0 ``meta.pt``),
 :func:`save_full_file` one ordinary Lightning file; :func:`publish` gives a written checkpoint its final name.
-What goes into them is :mod:`~fsdp_strategy.checkpoint.io`'s; how a save ends on every rank,
+What goes into them is :mod:`~fsdp_strategy.checkpoint.state_dicts`' and :mod:`~fsdp_strategy.checkpoint.layout`'s; how a save ends on every rank,
 :mod:`~fsdp_strategy.checkpoint.saving`'s.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +20,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdp_strategy._compat import FsspecWriter
 from fsdp_strategy.checkpoint import storage
-from fsdp_strategy.checkpoint.io import split_checkpoint
-from fsdp_strategy.checkpoint.trainer_state import save_trainer_state
+from fsdp_strategy.checkpoint.layout import split_checkpoint
+from fsdp_strategy.checkpoint.location import LocalLocation, Location, location_of
+from fsdp_strategy.checkpoint.trainer_state import check_trainer_state, write_trainer_state
 
 __all__ = [
     "PARTIAL_PREFIX",
@@ -32,44 +31,51 @@ __all__ = [
     "os_error_in",
     "publish",
     "remove_path",
-    "replaced_data",
     "save_full_file",
     "save_sharded",
     "shard_writer",
     "staging_path",
+    "write_sharded",
 ]
 
 PARTIAL_PREFIX = ".partial-"
 
 
-def staging_path(path: Path | str, token: str) -> Path | str:
+def staging_path(path: Any, token: str) -> Location:
     """Where a checkpoint is written before it becomes visible as ``path``.
 
     Hidden, and without the word "last", so that neither a directory listing nor Lightning's
     ``ckpt_path="last"`` lookup ever takes a half-written checkpoint. On a URL, the prefix that keeps the
     shards for good, which the manifest written under ``path`` names (see :mod:`fsdp_strategy.checkpoint.storage`).
     """
-    if storage.is_url(path):
-        return storage.join(storage.parent(str(path)), f"{storage.DATA_PREFIX}{token}")
-    return Path(path).parent / f"{PARTIAL_PREFIX}{token}"
+    where = location_of(path)
+    prefix = storage.DATA_PREFIX if where.remote else PARTIAL_PREFIX
+    return where.parent.join(f"{prefix}{token}")
 
 
-def save_sharded(staging: Path | str, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
-    """Every rank writes its shards into ``staging``; then rank 0 writes the trainer state to ``meta.pt``.
+def save_sharded(staging: Any, checkpoint: dict[str, Any], *, is_rank_zero: bool) -> None:
+    """:func:`write_sharded` of a whole checkpoint dict."""
+    tensors, rest = split_checkpoint(checkpoint)
+    write_sharded(staging, tensors, check_trainer_state(rest, checkpoint=location_of(staging).value), is_rank_zero)
+
+
+def write_sharded(staging: Any, tensors: dict[str, Any], trainer_state: bytes, is_rank_zero: bool) -> None:
+    """Every rank writes its shards of ``tensors`` into ``staging``; then rank 0 writes ``trainer_state`` (the
+    bytes :func:`~fsdp_strategy.checkpoint.trainer_state.check_trainer_state` returned) to ``meta.pt``.
 
     When this returns on rank 0, every rank has written its shards: DCP's coordinator writes
     ``.metadata`` only after gathering all ranks' write results. A rank's failure is raised on every
     rank by DCP (as ``CheckpointException``), so rank 0 writes ``meta.pt`` only after all shards are in.
     """
-    tensors, rest = split_checkpoint(checkpoint)
     dcp.save(tensors, storage_writer=shard_writer(staging))
     if is_rank_zero:
-        save_trainer_state(staging, rest)
+        write_trainer_state(staging, trainer_state)
 
 
-def shard_writer(staging: Path | str) -> FileSystemWriter:
+def shard_writer(staging: Any) -> FileSystemWriter:
     """DCP's writer for the staging location: a local directory, or a prefix behind a URL."""
-    return RemoteShardWriter(staging) if storage.is_url(staging) else ShardWriter(staging)
+    where = location_of(staging)
+    return (RemoteShardWriter if where.remote else ShardWriter)(where.value)
 
 
 class _RaisingOSError:
@@ -120,49 +126,29 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-def publish(staging: Path | str, path: Path | str) -> None:
+def publish(staging: Any, path: Any) -> None:
     """Rank 0: gives a completely written checkpoint its final name, replacing an older one at that name.
 
     The older checkpoint is renamed aside first (``<name>.previous``), then removed once the new
     one is in place, so a crash at any moment leaves a complete checkpoint behind. On a URL the name
     is a manifest naming ``staging``, written in one go; the older checkpoint's files are removed after.
     """
-    if storage.is_url(path):
-        _publish_remote(str(staging), str(path))
+    where, staging = location_of(path), location_of(staging)
+    if not isinstance(where, LocalLocation) or not isinstance(staging, LocalLocation):  # a URL: no rename there
+        replaced = storage.published_data(where)
+        storage.write_manifest(where, staging.name)
+        if replaced is not None and replaced != staging:
+            replaced.remove()
         return
-    path, staging = Path(path), Path(staging)
-    previous = path.with_name(path.name + ".previous")
-    if path.exists():
-        remove_path(previous)
-        os.rename(path, previous)
-    os.rename(staging, path)
-    remove_path(previous)
+    previous = where.parent.join(where.name + ".previous")
+    if where.exists():
+        previous.remove()
+        where.rename(previous)
+    staging.rename(where)
+    previous.remove()
 
 
-def _publish_remote(staging: str, path: str) -> None:
-    try:
-        older = storage.read_manifest(path)
-    except FileNotFoundError:
-        older = None
-    storage.write_manifest(path, storage.name(staging))
-    if older is not None:
-        replaced = storage.data_url(path, older)
-        if replaced.rstrip("/") != staging.rstrip("/"):
-            storage.remove_data(replaced)
-
-
-def replaced_data(path: Path | str) -> str | None:
-    """The files of the sharded checkpoint that a new checkpoint at the URL ``path`` replaces (``None``: none)."""
-    if not storage.is_url(path):
-        return None
-    try:
-        older = storage.read_manifest(str(path))
-    except FileNotFoundError:
-        return None
-    return None if older is None else storage.data_url(str(path), older)
-
-
-def save_full_file(path: Path | str, checkpoint: dict[str, Any], token: str) -> None:
+def save_full_file(path: Any, checkpoint: dict[str, Any], token: str) -> None:
     """Rank 0: one ordinary Lightning checkpoint file, written aside and renamed into place.
 
     The directory is created as Lightning's ``TorchCheckpointIO`` creates it; a failed write removes
@@ -170,39 +156,33 @@ def save_full_file(path: Path | str, checkpoint: dict[str, Any], token: str) -> 
     as DDP writes it there (Lightning's ``TorchCheckpointIO``: one upload, which replaces an older object
     at once); the files of a sharded checkpoint it replaces are removed after.
     """
-    if storage.is_url(path):
+    where = location_of(path)
+    if not isinstance(where, LocalLocation):
         from lightning.fabric.plugins import (
             TorchCheckpointIO,  # what DDP writes files on URLs with
         )
 
-        replaced = replaced_data(path)
-        TorchCheckpointIO().save_checkpoint(checkpoint, str(path))
+        replaced = storage.published_data(where)
+        TorchCheckpointIO().save_checkpoint(checkpoint, str(where))
         if replaced is not None:
-            storage.remove_data(replaced)
+            replaced.remove()
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(staging_path(path, token))
+    where.parent.makedirs()
+    staging = staging_path(where, token)
     try:
-        with open(staging, "wb") as file:  # a file object: torch derives an archive name from a path's stem
+        with staging.open("wb") as file:  # a file object: torch derives an archive name from a path's stem
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
     except BaseException:
-        remove_path(staging)
+        staging.remove()
         raise
-    if path.is_dir():
-        publish(staging, path)
+    if where.is_dir():
+        publish(staging, where)
     else:
-        os.replace(staging, path)
+        os.replace(staging.value, where.value)
 
 
-def remove_path(path: Path | str) -> None:
-    if storage.is_url(path):
-        storage.remove(str(path))
-        return
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def remove_path(path: Any) -> None:
+    """Removes a checkpoint, or a staging entry, wherever it is (see :func:`~fsdp_strategy.checkpoint.storage.remove`)."""
+    storage.remove(path)

@@ -30,7 +30,6 @@ need ``load_from_checkpoint(..., weights_only=False)`` or ``add_safe_globals``.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass
@@ -40,15 +39,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from fsdp_strategy.checkpoint.io import MODEL_KEY
+from fsdp_strategy.checkpoint.layout import optimizer_key, sharded_parts
 from fsdp_strategy.checkpoint.reader import open_checkpoint
 from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.tools.export import export_safetensors
 from fsdp_strategy.tools.progress import progress_bar
 
 __all__ = ["ConsolidatedFile", "consolidate_checkpoint", "consolidate_to_file"]
-
-_OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 
 
 @dataclass(frozen=True)
@@ -205,21 +202,14 @@ def _put(node: Any, key: Any, value: Any) -> None:
 
 
 def _lightning_checkpoint(nested: dict[str, Any], trainer_state: dict[str, Any], source: Path) -> dict[str, Any]:
-    optimizers: dict[int, Any] = {}
-    others: dict[str, Any] = {}
-    for key, value in nested.items():
-        match = _OPTIMIZER_KEY.fullmatch(key)
-        if match:
-            optimizers[int(match.group(1))] = value
-        elif key != MODEL_KEY:
-            others[key] = value  # not written by FSDP2Strategy; kept under its own key
+    model, optimizers, others = sharded_parts(nested)  # others: not written by FSDP2Strategy; kept under their keys
     if sorted(optimizers) != list(range(len(optimizers))):
         numbers = sorted(optimizers)
         raise ValueError(f"cannot consolidate {source}: optimizer entries are not numbered 0..N-1: {numbers}")
     checkpoint = {**trainer_state, **others}
-    checkpoint["state_dict"] = nested.get(MODEL_KEY, {})
+    checkpoint["state_dict"] = {} if model is None else model
     checkpoint["optimizer_states"] = [
-        _index_keyed(optimizers[i], f"optimizer_{i}", source) for i in range(len(optimizers))
+        _index_keyed(optimizers[i], optimizer_key(i), source) for i in range(len(optimizers))
     ]
     return checkpoint
 

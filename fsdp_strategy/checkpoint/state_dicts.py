@@ -1,9 +1,9 @@
-"""What a checkpoint of a sharded model holds and how it is read back: state dicts, sharded or full.
+"""The state dicts of a sharded model in and out of checkpoints: taken for a save, sharded or full, and read back
+into the module and its optimizers.
 
-The sharded layout matches Lightning's own (DCP shards with the model under ``"model"`` and
-optimizers under ``"optimizer_0"``, ..., trainer state in ``meta.pt``), so
-``python -m lightning.pytorch.utilities.consolidate_checkpoint`` reads it too. Writing the files and putting
-them in place is :mod:`~fsdp_strategy.checkpoint.writing`'s.
+Which parts a checkpoint dict has is :mod:`~fsdp_strategy.checkpoint.layout`'s; writing the files and putting
+them in place, :mod:`~fsdp_strategy.checkpoint.writing`'s; the formats that combine them,
+:mod:`~fsdp_strategy.checkpoint.formats`'.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from fsdp_strategy.checkpoint import optimizer_state as optimizer_state_io
 from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.errors import CheckpointError, damaged, refused
-from fsdp_strategy.checkpoint.trainer_state import (
-    TRAINER_STATE_FILENAME,
-    load_trainer_state,
-)
+from fsdp_strategy.checkpoint.layout import MODEL_KEY, optimizer_key, optimizer_number
+from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.trainer_state import load_trainer_state
 from fsdp_strategy.checkpoint.verify import (
     check_model_matches,
     compare_keys,
@@ -40,11 +39,9 @@ from fsdp_strategy.checkpoint.verify import (
 )
 
 __all__ = [
-    "is_sharded_checkpoint",
-    "gather_dtensors",
-    "holds_dtensor",
     "check_full_state_dict",
     "load_full_optimizers",
+    "load_checkpoint_file",
     "load_full_weights",
     "load_sharded_model",
     "load_sharded_optimizers",
@@ -54,20 +51,7 @@ __all__ = [
     "require_state_dict",
     "model_state",
     "optimizer_state",
-    "split_checkpoint",
 ]
-
-MODEL_KEY = "model"
-
-
-def is_sharded_checkpoint(path: Path | str) -> bool:
-    if storage.is_url(path):
-        try:
-            return storage.read_manifest(str(path)) is not None
-        except FileNotFoundError:
-            return False
-    path = Path(path)
-    return path.is_dir() and (path / TRAINER_STATE_FILENAME).is_file()
 
 
 def model_state(model: nn.Module, *, full: bool) -> dict[str, Any]:
@@ -81,43 +65,6 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, *, full: bool, keep:
     if full:
         return optimizer_state_io.full_state(optimizer, keep=keep)
     return optimizer_state_io.sharded_state(model, optimizer)
-
-
-def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The sharded tensors (model, optimizers) in Lightning's DCP layout, and the rest of the trainer state."""
-    rest = dict(checkpoint)
-    tensors = {MODEL_KEY: rest.pop("state_dict")}
-    tensors.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
-    # Sharded state a callback put in the checkpoint (WeightAveraging's "current_model_state") is saved
-    # in shards under its own key, as the module's is: meta.pt would hold rank 0's shards only.
-    tensors.update({key: rest.pop(key) for key in list(rest) if holds_dtensor(rest[key])})
-    return tensors, rest
-
-
-def holds_dtensor(value: Any) -> bool:
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, dict):
-        return any(holds_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_dtensor(v) for v in value)
-    return False
-
-
-def gather_dtensors(value: Any, *, keep: bool) -> Any:
-    """``value`` with every DTensor in it (in nested dicts, lists and tuples) replaced by its full tensor on CPU.
-
-    A collective per DTensor: every rank calls it on a ``value`` of the same structure. Ranks that do not
-    ``keep`` the result get ``None`` in place of each tensor, so they never hold more than one at a time.
-    """
-    if isinstance(value, DTensor):
-        full = value.full_tensor().cpu()
-        return full if keep else None
-    if isinstance(value, dict):
-        return {k: gather_dtensors(v, keep=keep) for k, v in value.items()} if holds_dtensor(value) else value
-    if isinstance(value, (list, tuple)) and holds_dtensor(value):
-        return type(value)(gather_dtensors(v, keep=keep) for v in value)
-    return value
 
 
 def read_sharded(
@@ -170,7 +117,7 @@ def _model_shaped_entries(metadata: Any) -> list[str]:
     """Top-level entries of a sharded checkpoint besides the module's and the optimizers' (saved in shards because
     they held DTensors: a callback's copy of the module's state)."""
     keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-    return sorted(key for key in keys if key != MODEL_KEY and not key.startswith("optimizer_"))
+    return sorted(key for key in keys if key != MODEL_KEY and optimizer_number(key) is None)
 
 
 def load_sharded_model(path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool) -> None:
@@ -199,11 +146,11 @@ def load_sharded_optimizers(
     pairs = list(zip(optimizers, saved))
     flat: dict[str, Any] = {}
     for i, (opt, _) in enumerate(pairs):
-        flat.update(optimizer_state_io.load_sharded_template(metadata, f"optimizer_{i}.", model, opt))
+        flat.update(optimizer_state_io.load_sharded_template(metadata, f"{optimizer_key(i)}.", model, opt))
     if flat:
         dcp.load(flat, storage_reader=files.reader())
     for i, (opt, state) in enumerate(pairs):
-        prefix = f"optimizer_{i}."
+        prefix = f"{optimizer_key(i)}."
         entries = {k: v for k, v in flat.items() if k.startswith(prefix)}
         opt.load_state_dict(optimizer_state_io.unflatten(entries, state["param_groups"], prefix, model, opt))
 
@@ -225,23 +172,19 @@ def require_state_dict(checkpoint: Any, path: Path | str) -> dict[str, Any]:
 
 
 def _file_name(path: Path | str) -> str:
-    return Path(path).name if isinstance(path, Path) else storage.name(path)
+    return location_of(path).name
 
 
 def load_checkpoint_file(path: Path | str, *, weights_only: bool | None) -> Any:
     """``torch.load`` of one checkpoint file (memory-mapped when local), with damaged and untrusted files named."""
-    name = _file_name(path)
-    if storage.is_url(path):
-        fs, remote = storage.filesystem(str(path))
-        if not fs.isfile(remote):
-            raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
-        load = lambda: torch.load(io.BytesIO(fs.cat_file(remote)), map_location="cpu", weights_only=weights_only)  # noqa: E731
-    else:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
-        load = lambda: torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)  # noqa: E731
+    where = location_of(path)
+    if not where.is_file():
+        raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
+    name = where.name
     try:
-        return load()
+        if where.remote:  # no memory map over a network: the file is read whole
+            return torch.load(io.BytesIO(where.read_bytes()), map_location="cpu", weights_only=weights_only)
+        return torch.load(where.value, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         detail = (
             f"'{name}' contains objects that are not plain data, so it was not unpickled. If you trust this"
