@@ -54,10 +54,10 @@ class OptionSpec:
     default: Any
     # (value given, option=name) -> the value Options holds; raises TypeError/ValueError naming the option.
     check: Callable[..., Any]
-    help: str  # Markdown, one paragraph: a row of the README's table and the strategy's docstring
+    help: str  # Markdown, one paragraph without the final period: a row of the README's table, an Args entry
 
 
-def _option(accepts: Any, default: Any, check: Callable[..., Any], help: str) -> Any:
+def _option(*, accepts: Any, default: Any, check: Callable[..., Any], help: str) -> Any:
     return field(metadata={"option": {"accepts": accepts, "default": default, "check": check, "help": help}})
 
 
@@ -176,148 +176,148 @@ class Options:
     """
 
     wrap_policy: ModulePolicy | None = _option(
-        PolicyInput,
-        "auto",
-        normalize_policy,
-        'which submodules become sharded units: `"auto"` (a Hugging Face model\'s `_no_split_modules`, else the'
+        accepts=PolicyInput,
+        default="auto",
+        check=normalize_policy,
+        help='which submodules become sharded units: `"auto"` (a Hugging Face model\'s `_no_split_modules`, else the'
         ' repeated children of each `ModuleList`/`Sequential`), class names (`["Block"]`), module classes'
         " (`{Block}`), a callable `(name, module) -> bool`, a minimum parameter count (`int`), or `None` (no"
         " blocks). Everything else below the LightningModule (embeddings, a final norm, the output head, tied"
         " weights, small heads) is one more unit, a group (`fully_shard([modules])`) gathered once per micro-batch"
         " when its first module runs and kept until backward; the LightningModule, the root unit, keeps only the"
         " parameters registered on itself. Under `*-mixed`, normalization layers are one group of their own kept"
-        " in fp32, also gathered once per micro-batch. An explicit policy that matches nothing is an error.",
+        " in fp32, also gathered once per micro-batch. An explicit policy that matches nothing is an error",
     )
     activation_checkpointing_policy: ModulePolicy | None = _option(
-        PolicyInput,
-        None,
-        normalize_policy,
-        'modules whose activations are recomputed in backward, same forms as `wrap_policy` (`"auto"`: the'
+        accepts=PolicyInput,
+        default=None,
+        check=normalize_policy,
+        help='modules whose activations are recomputed in backward, same forms as `wrap_policy` (`"auto"`: the'
         " repeated blocks); `None`: off",
     )
     reshard_after_forward: bool | int = _option(
-        bool | int,
-        True,
-        _bool_or_positive_int,
-        "`True` frees each unit's gathered parameters after its forward (ZeRO-3); `False` keeps them gathered"
+        accepts=bool | int,
+        default=True,
+        check=_bool_or_positive_int,
+        help="`True` frees each unit's gathered parameters after its forward (ZeRO-3); `False` keeps them gathered"
         " until backward (more memory, fewer all-gathers); an int reshards to that group size (e.g. the"
         " processes per node)",
     )
     hybrid: bool = _option(
-        bool,
-        False,
-        _bool,
-        "shard within a node, replicate across nodes (HSDP, a 2-D mesh); also implied by a `replicate_size` above 1",
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="shard within a node, replicate across nodes (HSDP, a 2-D mesh); also implied by a `replicate_size` above 1",
     )
     replicate_size: int | None = _option(
-        int | None,
-        None,
-        _positive_int_or_none,
-        "the mesh's replicating dimension as a plain integer; times `shard_size` it must be the world size, and"
+        accepts=int | None,
+        default=None,
+        check=_positive_int_or_none,
+        help="the mesh's replicating dimension as a plain integer; times `shard_size` it must be the world size, and"
         " either implies the other",
     )
     shard_size: int | None = _option(
-        int | None,
-        None,
-        _positive_int_or_none,
-        "the mesh's sharding dimension as a plain integer; times `replicate_size` it must be the world size, and"
+        accepts=int | None,
+        default=None,
+        check=_positive_int_or_none,
+        help="the mesh's sharding dimension as a plain integer; times `replicate_size` it must be the world size, and"
         " either implies the other",
     )
     cpu_offload: bool = _option(
-        bool,
-        False,
-        _offload_needs_cuda,
-        "offload sharded parameters, gradients and optimizer state to host memory (CUDA only)",
+        accepts=bool,
+        default=False,
+        check=_offload_needs_cuda,
+        help="offload sharded parameters, gradients and optimizer state to host memory (CUDA only)",
     )
     mp_policy: MixedPrecisionPolicy | None = _option(
-        MixedPrecisionPolicy | None,
-        None,
-        _mp_policy,
-        'an explicit `MixedPrecisionPolicy`; only together with `precision="32-true"`',
+        accepts=MixedPrecisionPolicy | None,
+        default=None,
+        check=_mp_policy,
+        help='an explicit `MixedPrecisionPolicy`; only together with `precision="32-true"`',
     )
     sync_grads_each_micro_batch: bool = _option(
-        bool,
-        False,
-        _bool,
-        "reduce-scatter on every micro-batch of gradient accumulation (less memory, more communication); by"
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="reduce-scatter on every micro-batch of gradient accumulation (less memory, more communication); by"
         " default gradients accumulate unsharded and are reduced once per optimizer step",
     )
     compile_blocks: bool | str = _option(
-        bool | str,
-        False,
-        _compile_backend,
-        "`torch.compile` each block selected by `wrap_policy`: `True` with the default backend (inductor), a str"
+        accepts=bool | str,
+        default=False,
+        check=_compile_backend,
+        help="`torch.compile` each block selected by `wrap_policy`: `True` with the default backend (inductor), a str"
         " names another backend",
     )
     meta_init: bool = _option(
-        bool,
-        False,
-        _bool,
-        "build `configure_model` (and `init_module()`) without allocating parameters, as"
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="build `configure_model` (and `init_module()`) without allocating parameters, as"
         ' `init_module(empty_init=True)` does; see "Building the model"',
     )
     state_dict_type: StateDictType = _option(
-        str,
-        "auto",
-        partial(_mode, modes=StateDictType),
-        '`"full"`: one Lightning checkpoint file, as DDP writes; `"sharded"`: a Distributed Checkpoint'
+        accepts=str,
+        default="auto",
+        check=partial(_mode, modes=StateDictType),
+        help='`"full"`: one Lightning checkpoint file, as DDP writes; `"sharded"`: a Distributed Checkpoint'
         ' directory; `"auto"`: full while rank 0 holds the whole state with room to spare, sharded beyond',
     )
     async_save: bool = _option(
-        bool,
-        False,
-        _bool,
-        "write checkpoints in the background; the next save waits for the previous one, and a failed write raises",
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="write checkpoints in the background; the next save waits for the previous one, and a failed write raises",
     )
     init_weights: Path | str | None = _option(
-        str | None,
-        None,
-        _weights_file,
-        "a full weights file (Lightning checkpoint or plain state dict) to start from; only rank 0 reads it",
+        accepts=str | None,
+        default=None,
+        check=_weights_file,
+        help="a full weights file (Lightning checkpoint or plain state dict) to start from; only rank 0 reads it",
     )
     process_group_backend: str | None = _option(
-        str | None,
-        None,
-        _backend_name,
-        "the backend's name; `None`: `nccl` on CUDA, `gloo` on CPU",
+        accepts=str | None,
+        default=None,
+        check=_backend_name,
+        help="the backend's name; `None`: `nccl` on CUDA, `gloo` on CPU",
     )
     timeout: timedelta = _option(
-        float | timedelta,
-        1800,
-        _seconds,
-        "seconds (or a `timedelta`) the start-up rendezvous and every collective wait for a peer; the error names"
+        accepts=float | timedelta,
+        default=1800,
+        check=_seconds,
+        help="seconds (or a `timedelta`) the start-up rendezvous and every collective wait for a peer; the error names"
         " the rank (and node) that never arrived or was lost",
     )
     nonfinite_grads: NonFiniteGrads = _option(
-        str,
-        "ignore",
-        check_nonfinite_grads_option,
-        'NaN/inf in a gradient before an optimizer step: `"ignore"` (no check, no cost), `"skip"` the step with a'
+        accepts=str,
+        default="ignore",
+        check=check_nonfinite_grads_option,
+        help='NaN/inf in a gradient before an optimizer step: `"ignore"` (no check, no cost), `"skip"` the step with a'
         ' warning, or `"raise"` `NonFiniteGradientError`; see below',
     )
     host_memory: HostMemory = _option(
-        str,
-        "keep",
-        partial(_mode, modes=HostMemory),
-        '`"release"`: hand freed heap memory back to the system (glibc\'s `malloc_trim`) after sharding and after'
+        accepts=str,
+        default="keep",
+        check=partial(_mode, modes=HostMemory),
+        help='`"release"`: hand freed heap memory back to the system (glibc\'s `malloc_trim`) after sharding and after'
         " each forward, backward and optimizer step, a lower host-memory peak on CPU (0.58x/0.39x DDP's on 2/4"
         " ranks against 0.65x/0.44x for the 116M GPT) for 3-7% more CPU per step (`docs/benchmarks.md`);"
         ' `"keep"`: leave the allocator alone. A no-op where the C library is not glibc; see "Host memory on CPU"',
     )
     reuse_comm_buffers: bool = _option(
-        bool,
-        True,
-        _bool,
-        "on CPU, each block's all-gather output and reduce-scatter input come from a pool and are reused instead"
+        accepts=bool,
+        default=True,
+        check=_bool,
+        help="on CPU, each block's all-gather output and reduce-scatter input come from a pool and are reused instead"
         " of allocated for each collective (same collectives, bitwise the same results; about 15% less CPU per"
         " step on the 116M GPT, nothing measurable on the 11M one); the gradients stay fresh tensors. `False`:"
         " FSDP2's own allocation. No effect on CUDA, where the caching allocator reuses memory",
     )
     hook_view: HookView = _option(
-        str,
-        "whole",
-        partial(_mode, modes=HookView),
-        'what `on_before_optimizer_step` (of the module or a callback) sees: `"whole"`, as under DDP, each'
+        accepts=str,
+        default="whole",
+        check=partial(_mode, modes=HookView),
+        help='what `on_before_optimizer_step` (of the module or a callback) sees: `"whole"`, as under DDP, each'
         " parameter whole with its whole, reduced gradient (Lightning's `grad_norm`, clipping or NaN checks"
         " written for DDP work unchanged; what the hook changes is written back into the shards); they are"
         " gathered for the hook only when one is overridden, one all-gather of parameters and gradients per"
