@@ -337,17 +337,14 @@ OPTIONS: tuple[OptionSpec, ...] = tuple(OptionSpec(name=f.name, **f.metadata["op
 
 def check_options(**given: Any) -> Options:
     """The options given (by name; the others take their defaults) checked into one ``Options``."""
-    unknown = given.keys() - {spec.name for spec in OPTIONS}
+    names = [spec.name for spec in OPTIONS]
+    unknown = given.keys() - set(names)
     if unknown:
-        raise TypeError(f"check_options() got unknown options {sorted(unknown)}; the options: {_names()}.")
+        raise TypeError(f"check_options() got unknown options {sorted(unknown)}; the options: {', '.join(names)}.")
     held = {spec.name: spec.check(given.get(spec.name, spec.default), option=spec.name) for spec in OPTIONS}
     # The one option implied by another: replicas across nodes are hybrid sharding.
     held["hybrid"] = held["hybrid"] or (held["replicate_size"] or 1) > 1
     return Options(**held)
-
-
-def _names() -> str:
-    return ", ".join(spec.name for spec in OPTIONS)
 
 
 def docstring_args() -> str:
