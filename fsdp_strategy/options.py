@@ -1,302 +1,353 @@
-"""The strategy's options, checked once when it is constructed, before any process starts.
+"""The strategy's options, each declared once, as a field of :class:`Options`: the plain type and default of
+``FSDP2Strategy``'s keyword of that name, its check, and its help text. From that one declaration come the
+checked ``Options``, the strategy's docstring (:func:`docstring_args`) and the README's options table
+(:mod:`fsdp_strategy.options_table`); a test holds ``FSDP2Strategy.__init__``'s signature to the same names,
+defaults and types.
 
 Every option is keyword-only and of a plain type (so a LightningCLI YAML can set it); a wrong value raises
 ``TypeError`` or ``ValueError`` naming the option, the value given and what is accepted. The options that
-name a mode become str-valued enums here, so no other module compares mode strings.
+name a mode become the str-valued enums of :mod:`fsdp_strategy.modes` here, so no other module compares mode
+strings.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from enum import Enum
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.modes import CheckpointFormat, HookView, HostMemory, NonFiniteGrads, StateDictType
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
 __all__ = [
-    "HOOK_VIEWS",
-    "NONFINITE_GRADS_MODES",
-    "STATE_DICT_TYPES",
+    "OPTIONS",
     "CheckpointFormat",
     "HookView",
     "HostMemory",
     "NonFiniteGrads",
+    "OptionSpec",
     "Options",
     "StateDictType",
     "check_nonfinite_grads_option",
     "check_options",
+    "docstring_args",
 ]
 
-
-class _Mode(str, Enum):
-    # Printed and formatted as the plain string the user passed, in messages and logs.
-    __str__ = str.__str__
-    __format__ = str.__format__
+_Mode = TypeVar("_Mode", StateDictType, NonFiniteGrads, HostMemory, HookView)
 
 
-class StateDictType(_Mode):
-    AUTO = "auto"  # "full" while rank 0 can hold the whole state, decided when the model is set up
-    SHARDED = "sharded"
-    FULL = "full"
+@dataclass(frozen=True)
+class OptionSpec:
+    """One keyword of ``FSDP2Strategy``, as declared on its field of :class:`Options`."""
+
+    name: str
+    accepts: Any  # the keyword's annotation: plain types, as a LightningCLI YAML writes them
+    default: Any
+    # (value given, option=name) -> the value Options holds; raises TypeError/ValueError naming the option.
+    check: Callable[..., Any]
+    help: str  # Markdown, one paragraph without the final period: a row of the README's table, an Args entry
 
 
-class CheckpointFormat(_Mode):
-    """What the checkpoints are: ``state_dict_type`` with ``"auto"`` decided."""
-
-    SHARDED = "sharded"  # a Distributed Checkpoint directory
-    FULL = "full"  # one Lightning checkpoint file
+def _option(*, accepts: Any, default: Any, check: Callable[..., Any], help: str) -> Any:
+    return field(metadata={"option": {"accepts": accepts, "default": default, "check": check, "help": help}})
 
 
-class NonFiniteGrads(_Mode):
-    IGNORE = "ignore"
-    SKIP = "skip"
-    RAISE = "raise"
+# --- the checks, each taking the value given and the option's name -------------------------------------------------
 
 
-class HostMemory(_Mode):
-    KEEP = "keep"  # leave the allocator alone
-    # Hand free heap pages back after sharding (the eager full model freed) and at each phase end of a training
-    # step: after forward, after backward, after the optimizer step.
-    RELEASE = "release"
-
-
-class HookView(_Mode):
-    WHOLE = "whole"
-    SHARDED = "sharded"
-
-
-STATE_DICT_TYPES = tuple(mode.value for mode in StateDictType)
-HOOK_VIEWS = tuple(mode.value for mode in HookView)
-HOST_MEMORY_MODES = tuple(mode.value for mode in HostMemory)
-NONFINITE_GRADS_MODES = tuple(mode.value for mode in NonFiniteGrads)
-
-
-def check_nonfinite_grads_option(value: Any) -> str:
-    accepted = ", ".join(repr(mode) for mode in NONFINITE_GRADS_MODES)
-    if not isinstance(value, str):
-        raise TypeError(
-            f"`nonfinite_grads` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}."
-        )
-    if value not in NONFINITE_GRADS_MODES:
-        raise ValueError(f"`nonfinite_grads` must be one of {accepted}; got {value!r}.")
+def _bool(value: Any, *, option: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
     return value
+
+
+def _bool_or_positive_int(value: Any, *, option: str) -> bool | int:
+    if not isinstance(value, bool):
+        check_positive_int(option, value, accepted="a bool or a positive int")
+    return value
+
+
+def _positive_int_or_none(value: Any, *, option: str) -> int | None:
+    if value is not None:
+        check_positive_int(option, value, accepted="a positive int or None")
+    return value
+
+
+def _mode(value: Any, *, option: str, modes: type[_Mode]) -> _Mode:
+    accepted = tuple(mode.value for mode in modes)
+    if not isinstance(value, str):
+        raise TypeError(f"`{option}` must be a str, one of {accepted}; got {value!r} of type {type(value).__name__}.")
+    if value not in accepted:
+        raise ValueError(f"`{option}` must be one of {accepted}; got {value!r}.")
+    return modes(value)
+
+
+def check_nonfinite_grads_option(value: Any, *, option: str = "nonfinite_grads") -> NonFiniteGrads:
+    # Worded apart from the other modes since its first release; tests/test_guard.py holds these messages.
+    accepted = ", ".join(repr(mode.value) for mode in NonFiniteGrads)
+    if not isinstance(value, str):
+        raise TypeError(f"`{option}` must be one of {accepted} (a str); got {value!r} of type {type(value).__name__}.")
+    if value not in {mode.value for mode in NonFiniteGrads}:
+        raise ValueError(f"`{option}` must be one of {accepted}; got {value!r}.")
+    return NonFiniteGrads(value)
+
+
+def _offload_needs_cuda(value: Any, *, option: str) -> bool:
+    if _bool(value, option=option) and not torch.cuda.is_available():
+        raise ValueError(
+            f"`{option}=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
+            f" GPU and host memory, and no CUDA device is available here. Use `{option}=False`."
+        )
+    return value
+
+
+def _mp_policy(value: Any, *, option: str) -> MixedPrecisionPolicy | None:
+    if value is not None and not isinstance(value, MixedPrecisionPolicy):
+        raise TypeError(
+            f"`{option}` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got {value!r}"
+            f" of type {type(value).__name__}."
+        )
+    return value
+
+
+def _compile_backend(value: Any, *, option: str) -> bool | str:
+    accepted = "a bool or the name of a torch.compile backend"
+    if not isinstance(value, (bool, str)):
+        raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
+    if value == "":
+        raise ValueError(f"`{option}` must be {accepted}; got ''.")
+    return value
+
+
+def _backend_name(value: Any, *, option: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(
+            f"`{option}` must be a str such as 'nccl' or 'gloo', or None; got {value!r} of type {type(value).__name__}."
+        )
+    return value
+
+
+def _weights_file(value: Any, *, option: str) -> Path | str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)):
+        raise TypeError(f"`{option}` must be a file path (str) or None; got {value!r}.")
+    # A URL is read (and its absence reported on every rank) by rank 0 in setup: checking it here would
+    # reach the object store from every process that builds a strategy.
+    if not storage.is_url(value) and not Path(value).is_file():
+        raise ValueError(f"`{option}` must name an existing weights file; got '{value}', which is not a file.")
+    return storage.location(value)
+
+
+def _seconds(value: Any, *, option: str) -> timedelta:
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(
+            f"`{option}` must be a number of seconds or a datetime.timedelta; got {value!r} of type"
+            f" {type(value).__name__}."
+        )
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"`{option}` must be a positive, finite number of seconds; got {seconds}.")
+    return timedelta(seconds=seconds)
+
+
+# --- the options --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Options:
-    """The checked options, in the forms the strategy works with; each is a keyword of ``FSDP2Strategy``:
+    """The checked options, in the forms the strategy works with; each field is the ``FSDP2Strategy`` keyword
+    of its name, declared with what that keyword accepts, its default, its check and what it means.
 
-    wrap_policy: which submodules become sharded units (see :mod:`fsdp_strategy.sharding.policy`):
-        ``"auto"`` (repeated blocks), class names, module classes, a ``(name, module) -> bool``
-        callable, a minimum parameter count, or ``None`` for no blocks (one group holding everything).
-    activation_checkpointing_policy: modules whose activations are recomputed in backward, in the
-        same forms (``"auto"`` = the repeated blocks). ``None`` turns it off.
-    reshard_after_forward: ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
-        ``False`` keeps them until backward (ZeRO-2, more memory, fewer all-gathers); an int
-        reshards to that smaller group size (e.g. the number of processes per node).
-    hybrid: shard within a node and replicate across nodes (HSDP), a 2-D mesh.
-    replicate_size, shard_size: the mesh from plain integers; their product must be the world size.
-        Either implies the other; a ``replicate_size`` above 1 means hybrid sharding.
-    cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (CUDA only).
-    mp_policy: an explicit ``MixedPrecisionPolicy``; only with ``Trainer(precision="32-true")``.
-    sync_grads_each_micro_batch: reduce-scatter gradients on every micro-batch of gradient
-        accumulation. Costs communication but keeps gradients sharded; by default gradients are
-        accumulated unsharded and reduced once per optimizer step.
-    compile_blocks: ``torch.compile`` each block selected by ``wrap_policy``; ``True`` uses the
-        default backend (inductor), a str names another ``torch.compile`` backend.
-    meta_init: build the modules created in ``configure_model`` on the meta device and
-        initialize them shard by shard with ``reset_parameters()``. Turn off when
-        ``configure_model`` loads weights.
-    state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory, every rank writes its
-        shards) or ``"full"`` (one ordinary Lightning checkpoint file written by rank 0, through
-        the Trainer's ``CheckpointIO`` plugin if one is given).
-    async_save: write checkpoints in the background while training continues; a new save
-        waits for the previous one, and a failed write raises on every rank at the next save or
-        at the end.
-    init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
-        plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
-    process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
-    timeout: seconds (or a ``timedelta``) that the start-up rendezvous and every collective wait for a
-        peer before failing. The error names the rank (and node) that never arrived or was lost.
-    nonfinite_grads: what to do when a gradient holds NaN or inf before an optimizer step, checked
-        on every shard and agreed across ranks: ``"ignore"`` (no check, no cost), ``"skip"``
-        (drop that step's gradients so nothing is updated, warn naming the first affected
-        parameter, count it in :attr:`skipped_steps`) or ``"raise"`` (``NonFiniteGradientError``
-        on every rank). Under ``precision="16-mixed"`` the gradient scaler handles such steps.
-    host_memory: ``"release"`` hands freed heap memory back to the system (glibc's ``malloc_trim``)
-        after sharding and after each forward, backward and optimizer step: a lower peak of host
-        memory on CPU for a few percent more CPU time; ``"keep"`` leaves the allocator alone. A
-        no-op where the C library is not glibc.
-    reuse_comm_buffers: on CPU, each block's all-gather and reduce-scatter take their flat buffers from a
-        pool instead of a fresh allocation each time (the same collectives and results; on the 116M
-        benchmark GPT about 15% less CPU time per step). ``False`` allocates each buffer anew, as FSDP2 does.
-        Buffers on a GPU are always left to torch's caching allocator.
-    hook_view: what ``on_before_optimizer_step`` (of the module or a callback) sees. ``"whole"``: as under
-        DDP, whole parameters with their whole, reduced gradients (Lightning's ``grad_norm``, custom clipping,
-        NaN checks work unchanged); they are gathered for the hooks, one all-gather of parameters and gradients
-        per optimizer step, and only when such a hook is overridden; what the hooks change is written back into
-        the shards. ``"sharded"``: the DTensor shards, nothing gathered (``p.grad.full_tensor()`` reads one).
-
-    ``cpu_offload`` is kept as the ``offload_policy`` it selects; ``hybrid`` is also implied by a
-    ``replicate_size`` above 1; ``state_dict_type="auto"`` writes one file while rank 0 can hold the whole state
-    in a quarter of its free host memory, sharded directories beyond that.
+    ``hybrid`` is also implied by a ``replicate_size`` above 1; ``cpu_offload`` is used as the
+    :attr:`offload_policy` it selects.
     """
 
-    wrap_policy: ModulePolicy | None
-    activation_checkpointing_policy: ModulePolicy | None
-    reshard_after_forward: bool | int
-    hybrid: bool  # also implied by a replicate_size above 1
-    replicate_size: int | None
-    shard_size: int | None
-    offload_policy: OffloadPolicy
-    mp_policy: MixedPrecisionPolicy | None
-    sync_grads_each_micro_batch: bool
-    compile_blocks: bool | str
-    meta_init: bool
-    state_dict_type: StateDictType
-    async_save: bool
-    init_weights: Path | str | None
-    process_group_backend: str | None
-    timeout: timedelta
-    nonfinite_grads: NonFiniteGrads
-    host_memory: HostMemory
-    reuse_comm_buffers: bool
-    hook_view: HookView
-
-
-def check_options(
-    *,
-    wrap_policy: PolicyInput,
-    activation_checkpointing_policy: PolicyInput,
-    reshard_after_forward: bool | int,
-    hybrid: bool,
-    replicate_size: int | None,
-    shard_size: int | None,
-    cpu_offload: bool,
-    mp_policy: MixedPrecisionPolicy | None,
-    sync_grads_each_micro_batch: bool,
-    compile_blocks: bool | str,
-    meta_init: bool,
-    state_dict_type: str,
-    async_save: bool,
-    init_weights: str | Path | None,
-    process_group_backend: str | None,
-    timeout: float | timedelta,
-    nonfinite_grads: str = "ignore",
-    host_memory: str = "keep",
-    reuse_comm_buffers: bool = True,
-    hook_view: str = "whole",
-) -> Options:
-    for option, value in (
-        ("hybrid", hybrid),
-        ("cpu_offload", cpu_offload),
-        ("sync_grads_each_micro_batch", sync_grads_each_micro_batch),
-        ("meta_init", meta_init),
-        ("async_save", async_save),
-        ("reuse_comm_buffers", reuse_comm_buffers),
-    ):
-        _check_bool(option, value)
-    if not isinstance(compile_blocks, (bool, str)):
-        raise TypeError(
-            f"`compile_blocks` must be a bool or the name of a torch.compile backend; got {compile_blocks!r}"
-            f" of type {type(compile_blocks).__name__}."
-        )
-    if compile_blocks == "":
-        raise ValueError("`compile_blocks` must be a bool or the name of a torch.compile backend; got ''.")
-    if not isinstance(reshard_after_forward, bool):
-        check_positive_int("reshard_after_forward", reshard_after_forward, accepted="a bool or a positive int")
-    for option, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
-        if size is not None:
-            check_positive_int(option, size, accepted="a positive int or None")
-    if cpu_offload and not torch.cuda.is_available():
-        raise ValueError(
-            "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
-            " GPU and host memory, and no CUDA device is available here. Use `cpu_offload=False`."
-        )
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"`mp_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got {mp_policy!r}"
-            f" of type {type(mp_policy).__name__}."
-        )
-    if not isinstance(host_memory, str):
-        raise TypeError(
-            f"`host_memory` must be a str, one of {HOST_MEMORY_MODES}; got {host_memory!r} of type"
-            f" {type(host_memory).__name__}."
-        )
-    if host_memory not in HOST_MEMORY_MODES:
-        raise ValueError(f"`host_memory` must be one of {HOST_MEMORY_MODES}; got {host_memory!r}.")
-    if not isinstance(hook_view, str):
-        raise TypeError(
-            f"`hook_view` must be a str, one of {HOOK_VIEWS}; got {hook_view!r} of type {type(hook_view).__name__}."
-        )
-    if hook_view not in HOOK_VIEWS:
-        raise ValueError(f"`hook_view` must be one of {HOOK_VIEWS}; got {hook_view!r}.")
-    if state_dict_type not in STATE_DICT_TYPES:
-        raise ValueError(f"`state_dict_type` must be one of {STATE_DICT_TYPES}; got {state_dict_type!r}.")
-    if process_group_backend is not None and not isinstance(process_group_backend, str):
-        raise TypeError(
-            f"`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got"
-            f" {process_group_backend!r} of type {type(process_group_backend).__name__}."
-        )
-    if init_weights is not None:
-        if not isinstance(init_weights, (str, Path)):
-            raise TypeError(f"`init_weights` must be a file path (str) or None; got {init_weights!r}.")
-        # A URL is read (and its absence reported on every rank) by rank 0 in setup: checking it here would
-        # reach the object store from every process that builds a strategy.
-        if not storage.is_url(init_weights) and not Path(init_weights).is_file():
-            raise ValueError(
-                f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file."
-            )
-    check_nonfinite_grads_option(nonfinite_grads)
-    return Options(
-        wrap_policy=normalize_policy(wrap_policy, option="wrap_policy"),
-        activation_checkpointing_policy=normalize_policy(
-            activation_checkpointing_policy, option="activation_checkpointing_policy"
-        ),
-        reshard_after_forward=reshard_after_forward,
-        hybrid=hybrid or (replicate_size or 1) > 1,
-        replicate_size=replicate_size,
-        shard_size=shard_size,
-        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-        mp_policy=mp_policy,
-        sync_grads_each_micro_batch=sync_grads_each_micro_batch,
-        compile_blocks=compile_blocks,
-        meta_init=meta_init,
-        state_dict_type=StateDictType(state_dict_type),
-        async_save=async_save,
-        init_weights=None if init_weights is None else storage.location(init_weights),
-        process_group_backend=process_group_backend,
-        timeout=_as_timedelta(timeout),
-        nonfinite_grads=NonFiniteGrads(nonfinite_grads),
-        host_memory=HostMemory(host_memory),
-        reuse_comm_buffers=reuse_comm_buffers,
-        hook_view=HookView(hook_view),
+    wrap_policy: ModulePolicy | None = _option(
+        accepts=PolicyInput,
+        default="auto",
+        check=normalize_policy,
+        help='which submodules become sharded units: `"auto"` (a Hugging Face model\'s `_no_split_modules`, else the'
+        ' repeated children of each `ModuleList`/`Sequential`), class names (`["Block"]`), module classes'
+        " (`{Block}`), a callable `(name, module) -> bool`, a minimum parameter count (`int`), or `None` (no"
+        " blocks). Everything else below the LightningModule (embeddings, a final norm, the output head, tied"
+        " weights, small heads) is one more unit, a group (`fully_shard([modules])`) gathered once per micro-batch"
+        " when its first module runs and kept until backward; the LightningModule, the root unit, keeps only the"
+        " parameters registered on itself. Under `*-mixed`, normalization layers are one group of their own kept"
+        " in fp32, also gathered once per micro-batch. An explicit policy that matches nothing is an error",
+    )
+    activation_checkpointing_policy: ModulePolicy | None = _option(
+        accepts=PolicyInput,
+        default=None,
+        check=normalize_policy,
+        help='modules whose activations are recomputed in backward, same forms as `wrap_policy` (`"auto"`: the'
+        " repeated blocks); `None`: off",
+    )
+    reshard_after_forward: bool | int = _option(
+        accepts=bool | int,
+        default=True,
+        check=_bool_or_positive_int,
+        help="`True` frees each unit's gathered parameters after its forward (ZeRO-3); `False` keeps them gathered"
+        " until backward (more memory, fewer all-gathers); an int reshards to that group size (e.g. the"
+        " processes per node)",
+    )
+    hybrid: bool = _option(
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="shard within a node, replicate across nodes (HSDP, a 2-D mesh); also implied by a `replicate_size` above 1",
+    )
+    replicate_size: int | None = _option(
+        accepts=int | None,
+        default=None,
+        check=_positive_int_or_none,
+        help="the mesh's replicating dimension as a plain integer; times `shard_size` it must be the world size, and"
+        " either implies the other",
+    )
+    shard_size: int | None = _option(
+        accepts=int | None,
+        default=None,
+        check=_positive_int_or_none,
+        help="the mesh's sharding dimension as a plain integer; times `replicate_size` it must be the world size, and"
+        " either implies the other",
+    )
+    cpu_offload: bool = _option(
+        accepts=bool,
+        default=False,
+        check=_offload_needs_cuda,
+        help="offload sharded parameters, gradients and optimizer state to host memory (CUDA only)",
+    )
+    mp_policy: MixedPrecisionPolicy | None = _option(
+        accepts=MixedPrecisionPolicy | None,
+        default=None,
+        check=_mp_policy,
+        help='an explicit `MixedPrecisionPolicy`; only together with `precision="32-true"`',
+    )
+    sync_grads_each_micro_batch: bool = _option(
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="reduce-scatter on every micro-batch of gradient accumulation (less memory, more communication); by"
+        " default gradients accumulate unsharded and are reduced once per optimizer step",
+    )
+    compile_blocks: bool | str = _option(
+        accepts=bool | str,
+        default=False,
+        check=_compile_backend,
+        help="`torch.compile` each block selected by `wrap_policy`: `True` with the default backend (inductor), a str"
+        " names another backend",
+    )
+    meta_init: bool = _option(
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="build `configure_model` (and `init_module()`) without allocating parameters, as"
+        ' `init_module(empty_init=True)` does; see "Building the model"',
+    )
+    state_dict_type: StateDictType = _option(
+        accepts=str,
+        default="auto",
+        check=partial(_mode, modes=StateDictType),
+        help='`"full"`: one Lightning checkpoint file, as DDP writes; `"sharded"`: a Distributed Checkpoint'
+        ' directory; `"auto"`: full while rank 0 holds the whole state with room to spare, sharded beyond',
+    )
+    async_save: bool = _option(
+        accepts=bool,
+        default=False,
+        check=_bool,
+        help="write checkpoints in the background; the next save waits for the previous one, and a failed write raises",
+    )
+    init_weights: Path | str | None = _option(
+        accepts=str | None,
+        default=None,
+        check=_weights_file,
+        help="a full weights file (Lightning checkpoint or plain state dict) to start from; only rank 0 reads it",
+    )
+    process_group_backend: str | None = _option(
+        accepts=str | None,
+        default=None,
+        check=_backend_name,
+        help="the backend's name; `None`: `nccl` on CUDA, `gloo` on CPU",
+    )
+    timeout: timedelta = _option(
+        accepts=float | timedelta,
+        default=1800,
+        check=_seconds,
+        help="seconds (or a `timedelta`) the start-up rendezvous and every collective wait for a peer; the error names"
+        " the rank (and node) that never arrived or was lost",
+    )
+    nonfinite_grads: NonFiniteGrads = _option(
+        accepts=str,
+        default="ignore",
+        check=check_nonfinite_grads_option,
+        help='NaN/inf in a gradient before an optimizer step: `"ignore"` (no check, no cost), `"skip"` the step with a'
+        ' warning, or `"raise"` `NonFiniteGradientError`; see below',
+    )
+    host_memory: HostMemory = _option(
+        accepts=str,
+        default="keep",
+        check=partial(_mode, modes=HostMemory),
+        help='`"release"`: hand freed heap memory back to the system (glibc\'s `malloc_trim`) after sharding and after'
+        " each forward, backward and optimizer step, a lower host-memory peak on CPU (0.58x/0.39x DDP's on 2/4"
+        " ranks against 0.65x/0.44x for the 116M GPT) for 3-7% more CPU per step (`docs/benchmarks.md`);"
+        ' `"keep"`: leave the allocator alone. A no-op where the C library is not glibc; see "Host memory on CPU"',
+    )
+    reuse_comm_buffers: bool = _option(
+        accepts=bool,
+        default=True,
+        check=_bool,
+        help="on CPU, each block's all-gather output and reduce-scatter input come from a pool and are reused instead"
+        " of allocated for each collective (same collectives, bitwise the same results; about 15% less CPU per"
+        " step on the 116M GPT, nothing measurable on the 11M one); the gradients stay fresh tensors. `False`:"
+        " FSDP2's own allocation. No effect on CUDA, where the caching allocator reuses memory",
+    )
+    hook_view: HookView = _option(
+        accepts=str,
+        default="whole",
+        check=partial(_mode, modes=HookView),
+        help='what `on_before_optimizer_step` (of the module or a callback) sees: `"whole"`, as under DDP, each'
+        " parameter whole with its whole, reduced gradient (Lightning's `grad_norm`, clipping or NaN checks"
+        " written for DDP work unchanged; what the hook changes is written back into the shards); they are"
+        " gathered for the hook only when one is overridden, one all-gather of parameters and gradients per"
+        " optimizer step and their full size in memory for the hook's duration (more than half of the free"
+        ' memory is refused before training, naming `"sharded"`). `"sharded"`: the DTensor shards, nothing'
+        " gathered (`p.grad.full_tensor()` gathers one)",
     )
 
+    @property
+    def offload_policy(self) -> OffloadPolicy:
+        """``CPUOffloadPolicy`` under ``cpu_offload``; "no offload" is a policy object too."""
+        return CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
 
-def _check_bool(option: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
+
+OPTIONS: tuple[OptionSpec, ...] = tuple(OptionSpec(name=f.name, **f.metadata["option"]) for f in fields(Options))
 
 
-def _as_timedelta(timeout: Any) -> timedelta:
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"`timeout` must be a number of seconds or a datetime.timedelta; got {timeout!r} of type"
-            f" {type(timeout).__name__}."
-        )
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"`timeout` must be a positive, finite number of seconds; got {seconds}.")
-    return timedelta(seconds=seconds)
+def check_options(**given: Any) -> Options:
+    """The options given (by name; the others take their defaults) checked into one ``Options``."""
+    names = [spec.name for spec in OPTIONS]
+    unknown = given.keys() - set(names)
+    if unknown:
+        raise TypeError(f"check_options() got unknown options {sorted(unknown)}; the options: {', '.join(names)}.")
+    held = {spec.name: spec.check(given.get(spec.name, spec.default), option=spec.name) for spec in OPTIONS}
+    # The one option implied by another: replicas across nodes are hybrid sharding.
+    held["hybrid"] = held["hybrid"] or (held["replicate_size"] or 1) > 1
+    return Options(**held)
+
+
+def docstring_args() -> str:
+    """Every option as an ``Args:`` section (Google style, which LightningCLI's docstring parser reads as help)."""
+    args = "".join(f"    {spec.name}: {spec.help}.\n" for spec in OPTIONS)
+    return f"The options, each checked before any process starts.\n\nArgs:\n{args}"

@@ -33,7 +33,7 @@ from fsdp_strategy.checkpoint.manager import CheckpointManager
 from fsdp_strategy.checkpoint.resume_last import ResumingLauncher
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.launch.process_group import ProcessGroup
-from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_options
+from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_options, docstring_args
 from fsdp_strategy.plugins import precision as plugins
 from fsdp_strategy.sharding import averaging, hook_view
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
@@ -64,26 +64,8 @@ class FSDP2Strategy(ParallelStrategy):
     and sharded one by one, the rest of the model below the LightningModule as one group gathered once
     per micro-batch, then the LightningModule itself becomes the root unit.
 
-    Args (what each accepts and means in full: :class:`~fsdp_strategy.options.Options`):
-        wrap_policy: the sharded units: ``"auto"`` (repeated blocks), class names or classes, a callable, a size.
-        activation_checkpointing_policy: modules recomputed in backward, in the same forms; ``None``: off.
-        reshard_after_forward: ``True`` (ZeRO-3), ``False`` (ZeRO-2), or an int: reshard to that group size.
-        hybrid: shard within a node and replicate across nodes (HSDP), a 2-D mesh.
-        replicate_size, shard_size: the mesh from plain integers; their product must be the world size.
-        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (CUDA only).
-        mp_policy: an explicit ``MixedPrecisionPolicy``; only with ``Trainer(precision="32-true")``.
-        sync_grads_each_micro_batch: reduce-scatter gradients on every micro-batch of gradient accumulation.
-        compile_blocks: ``torch.compile`` each block (``True``: inductor; a str names another backend).
-        meta_init: build ``configure_model``'s modules on the meta device, initialized shard by shard.
-        state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory), ``"full"`` (one file), ``"auto"``.
-        async_save: write checkpoints in the background while training continues.
-        init_weights: a full weights file to start from; only rank 0 reads it.
-        process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
-        timeout: seconds (or a ``timedelta``) the rendezvous and every collective wait for a peer.
-        nonfinite_grads: a NaN/inf gradient: ``"ignore"``, ``"skip"`` the step (:attr:`skipped_steps`), ``"raise"``.
-        host_memory: ``"release"`` hands freed heap memory back to the system after each phase; ``"keep"``.
-        reuse_comm_buffers: on CPU, the blocks' collectives take their flat buffers from a pool.
-        hook_view: what ``on_before_optimizer_step`` sees: ``"whole"`` parameters (as DDP) or ``"sharded"`` ones.
+    Each keyword is one option, declared once on :class:`~fsdp_strategy.options.Options` with its type, default,
+    check and meaning; ``__init__``'s docstring lists them all, rendered from there, as does the README.
     """
 
     strategy_name = "fsdp2"
@@ -113,8 +95,29 @@ class FSDP2Strategy(ParallelStrategy):
         hook_view: str = "whole",
     ) -> None:
         super().__init__()
-        self.options: Options = check_options(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
-        self.guard = NonFiniteGuard(self.options.nonfinite_grads.value)
+        self.options: Options = check_options(
+            wrap_policy=wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            reshard_after_forward=reshard_after_forward,
+            hybrid=hybrid,
+            replicate_size=replicate_size,
+            shard_size=shard_size,
+            cpu_offload=cpu_offload,
+            mp_policy=mp_policy,
+            sync_grads_each_micro_batch=sync_grads_each_micro_batch,
+            compile_blocks=compile_blocks,
+            meta_init=meta_init,
+            state_dict_type=state_dict_type,
+            async_save=async_save,
+            init_weights=init_weights,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            nonfinite_grads=nonfinite_grads,
+            host_memory=host_memory,
+            reuse_comm_buffers=reuse_comm_buffers,
+            hook_view=hook_view,
+        )
+        self.guard = NonFiniteGuard(self.options.nonfinite_grads)
         self.checkpoints = CheckpointManager(self, self.options)
         self.sharding = ModuleSharding(self.options, name=type(self).__name__)
         self.processes = ProcessGroup(
@@ -125,6 +128,9 @@ class FSDP2Strategy(ParallelStrategy):
         self._in_manual_step = False
         self._in_no_sync = False
         self.num_nodes = 1
+
+    # Each option's meaning, from its one declaration (LightningCLI shows these as the keywords' help).
+    __init__.__doc__ = docstring_args()
 
     @override
     def __getstate__(self) -> dict[str, Any]:

@@ -3,11 +3,12 @@ does in a fit. Each refusal's exact message is tested through ``FSDP2Strategy`` 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
+import re
 from datetime import timedelta
 from pathlib import Path
 
+import docstring_parser
 import lightning as L
 import pytest
 import torch
@@ -15,24 +16,17 @@ from torch.distributed.fsdp import OffloadPolicy
 
 from fsdp_strategy.checkpoint import verify
 from fsdp_strategy.checkpoint.trainer_state import load_trainer_state
-from fsdp_strategy.options import STATE_DICT_TYPES, Options, check_options
+from fsdp_strategy.modes import StateDictType
+from fsdp_strategy.options import OPTIONS, check_options
+from fsdp_strategy.options_table import markdown_table
 from fsdp_strategy.strategy import FSDP2Strategy
 from testkit.models import TinyLM, token_loader
-
-DEFAULTS = dict(
-    wrap_policy="auto", activation_checkpointing_policy=None, reshard_after_forward=True, hybrid=False,
-    replicate_size=None, shard_size=None, cpu_offload=False, mp_policy=None, sync_grads_each_micro_batch=False,
-    compile_blocks=False, meta_init=False, state_dict_type="auto", async_save=False, init_weights=None,
-    process_group_backend=None, timeout=1800,
-)  # fmt: skip
 
 
 def test_plain_values_become_the_forms_the_strategy_uses(tmp_path):
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"x")
-    options = check_options(
-        **{**DEFAULTS, "replicate_size": 2, "timeout": 90, "init_weights": str(weights), "wrap_policy": ["Block"]}
-    )
+    options = check_options(replicate_size=2, timeout=90, init_weights=str(weights), wrap_policy=["Block"])
     assert options.hybrid is True  # a replicate size above 1 means hybrid sharding
     assert options.timeout == timedelta(seconds=90)
     assert options.init_weights == Path(weights)
@@ -46,7 +40,7 @@ def test_plain_values_become_the_forms_the_strategy_uses(tmp_path):
 _WRITES = {"auto": "file", "full": "file", "sharded": "directory"}
 
 
-@pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)
+@pytest.mark.parametrize("state_dict_type", [mode.value for mode in StateDictType])
 def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_type):
     trainer = L.Trainer(
         accelerator="cpu",
@@ -76,13 +70,43 @@ def test_each_state_dict_type_writes_its_form(trainer_env, tmp_path, state_dict_
 @pytest.mark.parametrize(("option", "value", "error"), [("meta_init", 1, TypeError), ("shard_size", 0, ValueError)])
 def test_a_wrong_value_is_refused_by_the_options_module_itself(option, value, error):
     with pytest.raises(error, match=f"`{option}`"):
-        check_options(**{**DEFAULTS, option: value})
+        check_options(**{option: value})
 
 
-def test_every_strategy_parameter_is_an_option_and_every_option_a_parameter():
-    # A new option declared in one place only would be half-declared: accepted and ignored, or never settable.
-    parameters = set(inspect.signature(FSDP2Strategy.__init__).parameters) - {"self"}
-    checked = set(inspect.signature(check_options).parameters)
-    # `cpu_offload` is kept as the offload policy it selects.
-    fields = {field.name for field in dataclasses.fields(Options)} - {"offload_policy"} | {"cpu_offload"}
-    assert parameters == checked == fields
+def test_the_strategy_signature_is_the_table_of_options():
+    # A new option declared in one place only would be half-declared: accepted and ignored, or never settable. The
+    # signature stays written out (LightningCLI and jsonargparse read it), so it is held to the table here.
+    parameters = inspect.signature(FSDP2Strategy.__init__, eval_str=True).parameters
+    keywords = [p for name, p in parameters.items() if name != "self"]
+    assert [p.name for p in keywords] == [spec.name for spec in OPTIONS]
+    for parameter, spec in zip(keywords, OPTIONS):
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, spec.name
+        assert parameter.default == spec.default and type(parameter.default) is type(spec.default), spec.name
+        assert parameter.annotation == spec.accepts, spec.name
+
+
+def test_the_defaults_of_the_table_are_the_strategy_defaults_checked():
+    defaults = check_options()
+    assert FSDP2Strategy().options == defaults
+    assert defaults.state_dict_type is StateDictType.AUTO  # a mode is held as its enum
+
+
+def test_an_unknown_option_is_refused_by_name():
+    with pytest.raises(TypeError, match=re.escape("check_options() got unknown options ['hybird']")):
+        check_options(hybird=True)
+
+
+def test_the_readme_options_table_is_the_one_rendered_from_the_options():
+    # Regenerate it with `python -m fsdp_strategy.options_table` after changing an option.
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
+    first_table = section[section.index("\n|") + 1 :].split("\n\n", 1)[0] + "\n"
+    assert first_table == markdown_table()
+
+
+def test_lightning_cli_help_shows_each_option_meaning():
+    # LightningCLI (jsonargparse) reads a keyword's help from the docstring with docstring_parser.
+    docstring = docstring_parser.parse(FSDP2Strategy.__init__.__doc__)
+    assert {param.arg_name: param.description for param in docstring.params} == {
+        spec.name: f"{spec.help}." for spec in OPTIONS
+    }

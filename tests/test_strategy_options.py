@@ -124,6 +124,11 @@ def cpu_trainer(**kwargs) -> L.Trainer:
             "`state_dict_type` must be one of ('auto', 'sharded', 'full'); got 'zip'.",
         ),
         (
+            {"state_dict_type": 5},
+            TypeError,
+            "`state_dict_type` must be a str, one of ('auto', 'sharded', 'full'); got 5 of type int.",
+        ),
+        (
             {"process_group_backend": 5},
             TypeError,
             "`process_group_backend` must be a str such as 'nccl' or 'gloo', or None; got 5 of type int.",

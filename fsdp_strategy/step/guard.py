@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fsdp_strategy.options import check_nonfinite_grads_option
+from fsdp_strategy.modes import NonFiniteGrads
 from fsdp_strategy.step.hooks import StepHook
 
 __all__ = [
@@ -115,7 +115,7 @@ def raise_message(found: NonFinite, step: int) -> str:
 
 
 def guard_gradients(
-    mode: str,
+    mode: NonFiniteGrads,
     named_params: Sequence[tuple[str, Tensor]],
     *,
     step: int,
@@ -124,13 +124,13 @@ def guard_gradients(
 ) -> bool:
     """Checks the gradients of ``named_params`` on every rank; ``True`` when they were dropped.
 
-    ``"skip"`` sets every gradient to ``None``: torch's optimizers leave a parameter without a
+    ``NonFiniteGrads.SKIP`` sets every gradient to ``None``: torch's optimizers leave a parameter without a
     gradient untouched, its state (Adam's step count, SGD's momentum) included.
     """
     found = first_nonfinite([(name, p.grad) for name, p in named_params], device=device, group=group)
     if found is None:
         return False
-    if mode == "raise":
+    if mode == NonFiniteGrads.RAISE:
         raise NonFiniteGradientError(raise_message(found, step))
     for _, param in named_params:
         param.grad = None
@@ -141,14 +141,14 @@ def guard_gradients(
 class NonFiniteGuard:
     """The strategy's guard: its mode and the number of optimizer steps it skipped."""
 
-    def __init__(self, mode: str) -> None:
-        self.mode = check_nonfinite_grads_option(mode)
+    def __init__(self, mode: NonFiniteGrads) -> None:
+        self.mode = mode
         self.skipped_steps = 0
         self._deferred_to_scaler = False
 
     @property
     def active(self) -> bool:
-        return self.mode != "ignore"
+        return self.mode != NonFiniteGrads.IGNORE
 
     def wrap(
         self,
@@ -183,7 +183,7 @@ class NonFiniteGuard:
         if not self._deferred_to_scaler:
             self._deferred_to_scaler = True
             rank_zero_info(
-                f"`nonfinite_grads={self.mode!r}` leaves steps with NaN or inf gradients to the gradient scaler of"
+                f"`nonfinite_grads='{self.mode}'` leaves steps with NaN or inf gradients to the gradient scaler of"
                 " precision='16-mixed', which skips them and lowers the loss scale."
             )
 
