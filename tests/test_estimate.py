@@ -253,9 +253,9 @@ def test_configure_model_runs_on_the_meta_device_too():
         ({"world_size": 0}, "`world_size` must be a positive int; got 0."),
         ({"optimizer": "lamb"}, "`optimizer` must be one of adamw, adam, sgd, sgd_momentum, none; got 'lamb'."),
         (
-            {"precision": "64-true"},
-            "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true (or Lightning's aliases"
-            " 32, 16, bf16); got '64-true'.",
+            {"precision": "transformer-engine"},
+            "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true (or Lightning's"
+            " aliases 32, 16, bf16); got 'transformer-engine'.",
         ),
         ({"accumulate_grad_batches": 0}, "`accumulate_grad_batches` must be a positive int; got 0."),
         ({"processes_per_node": -2}, "`processes_per_node` must be a positive int; got -2."),
