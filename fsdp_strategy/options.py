@@ -139,11 +139,17 @@ class Options:
         pool instead of a fresh allocation each time (the same collectives and results; on the 116M
         benchmark GPT about 15% less CPU time per step). ``False`` allocates each buffer anew, as FSDP2 does.
         Buffers on a GPU are always left to torch's caching allocator.
-    hook_view: what ``on_before_optimizer_step`` (of the module or a callback) sees. ``"whole"``: as under
-        DDP, whole parameters with their whole, reduced gradients (Lightning's ``grad_norm``, custom clipping,
-        NaN checks work unchanged); they are gathered for the hooks, one all-gather of parameters and gradients
-        per optimizer step, and only when such a hook is overridden; what the hooks change is written back into
+    hook_view: what the hooks that Lightning hands gradients to see, hook by hook: ``on_after_backward``
+        (module and callbacks), ``on_before_optimizer_step`` (module and callbacks) and
+        ``configure_gradient_clipping`` (the module's, and the clipping it calls). ``"whole"``: as under DDP,
+        whole parameters with their whole, reduced gradients (Lightning's ``grad_norm``, clipping read back,
+        NaN checks, comparisons with plain tensors work unchanged); they are gathered for the hooks, one
+        all-gather of parameters and gradients per backward (``on_after_backward``) and per optimizer step,
+        and only when such a hook is overridden; what the hooks change, clipping included, is written back into
         the shards. ``"sharded"``: the DTensor shards, nothing gathered (``p.grad.full_tensor()`` reads one).
+        Under both, the LightningModule's ``optimizer_step`` sees the shards (its optimizer steps them), and
+        ``on_after_backward`` of a micro-batch that accumulates without reducing sees the gradients of the last
+        reduction (``None`` after ``zero_grad``), where DDP shows the rank's local sum.
 
     ``cpu_offload`` is kept as the ``offload_policy`` it selects; ``hybrid`` is also implied by a
     ``replicate_size`` above 1; ``state_dict_type="auto"`` writes one file while rank 0 can hold the whole state

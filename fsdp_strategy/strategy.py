@@ -81,7 +81,7 @@ class FSDP2Strategy(ParallelStrategy):
         nonfinite_grads: a NaN/inf gradient: ``"ignore"``, ``"skip"`` the step (:attr:`skipped_steps`), ``"raise"``.
         host_memory: ``"release"`` hands freed heap memory back to the system after each phase; ``"keep"``.
         reuse_comm_buffers: on CPU, the blocks' collectives take their flat buffers from a pool.
-        hook_view: what ``on_before_optimizer_step`` sees: ``"whole"`` parameters (as DDP) or ``"sharded"`` ones.
+        hook_view: what the hooks that read gradients see: ``"whole"`` parameters (as DDP) or ``"sharded"`` ones.
     """
 
     strategy_name = "fsdp2"

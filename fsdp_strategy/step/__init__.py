@@ -8,7 +8,7 @@
 * ``buffer_sync``: rank 0's parameters at the start and its buffers at each step, as DDP keeps them;
 * ``comm_pool``: reused flat buffers for FSDP2's collectives on CPU;
 * ``averaging``: Lightning's ``WeightAveraging`` (EMA) on a sharded module;
-* ``hook_view``: whole parameters and gradients for ``on_before_optimizer_step``, as under DDP;
+* ``hook_view``: whole parameters and gradients for the hooks that read gradients, as under DDP;
 * ``sharded_step``: what a sharded root needs around evaluation forwards and manual optimization;
 * ``release``: ``host_memory="release"``, free heap pages handed back at each phase end of a step.
 
