@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.step.hook_view import WholeParameters, hooks_read_parameters
+from fsdp_strategy.step.hook_view import WholeParameters, hooks_read_parameters, whole_parameters_in_hooks
 from testkit import full
 from testkit.models import TinyLM, token_loader
 
@@ -94,6 +94,14 @@ def test_who_reads_parameters_in_the_hook_is_named():
         "Clipping.on_after_backward",
         "Clipping.configure_gradient_clipping",
     ]
+
+
+def test_only_the_overridden_hooks_gather(mesh):
+    model = sharded_pair(mesh)
+    view = whole_parameters_in_hooks(model, (GradNormLM(), []), torch.device("cpu"), 1)
+    assert view is not None and view.reads("on_before_optimizer_step")
+    assert not view.reads("on_after_backward")  # no gather after each backward for the grad_norm recipe
+    assert whole_parameters_in_hooks(model, (TinyLM(), [L.Callback()]), torch.device("cpu"), 1) is None
 
 
 def test_grad_norm_in_the_hook_logs_the_single_device_values(trainer_env):

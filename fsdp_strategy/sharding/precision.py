@@ -90,6 +90,8 @@ class ParameterView(Protocol):
 
     def open(self) -> None: ...
 
+    def reads(self, hook: str) -> bool: ...
+
     def as_seen(self, params: list[Tensor]) -> list[Tensor]: ...
 
     def close(self) -> None: ...
@@ -108,7 +110,7 @@ class _WholeParametersInHooks:
     hook_view: ParameterView | None = None
 
     def post_backward(self, tensor: Any, module: Any) -> Any:
-        if self.hook_view is None:
+        if self.hook_view is None or not self.hook_view.reads("on_after_backward"):
             return super().post_backward(tensor, module)  # type: ignore[misc]
         self.hook_view.open()
         try:
@@ -122,7 +124,8 @@ class _WholeParametersInHooks:
         return params if self.hook_view is None else self.hook_view.as_seen(params)
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
-        if self.hook_view is None:
+        view = self.hook_view
+        if view is None or not (view.reads("on_before_optimizer_step") or view.reads("configure_gradient_clipping")):
             return super()._after_closure(model, optimizer)  # type: ignore[misc]
         self.hook_view.open()
         try:

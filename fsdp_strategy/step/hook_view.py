@@ -9,8 +9,10 @@ computes with one rank's shard. :class:`WholeParameters` shows the hooks what DD
 sharded parameter of the module is replaced by a plain ``nn.Parameter`` holding its full value and full
 gradient; afterwards the module gets its shards back, and whatever the hooks changed (a gradient scaled,
 replaced or set to ``None``, a parameter's value) is written into this rank's shards. Gathering costs one
-all-gather of the parameters and gradients per optimizer step, and as much memory as they take whole, for
-the duration of the hooks; it is done only when a hook is overridden (:func:`hooks_read_parameters`).
+all-gather of the parameters and gradients per optimizer step (``on_before_optimizer_step`` and
+``configure_gradient_clipping`` share one) and per backward (``on_after_backward``), and as much memory as they
+take whole, for the duration of the hooks; each is done only when its hook is overridden
+(:func:`hooks_read_parameters`).
 
 ``optimizer_step`` (the LightningModule's) is the one hook that sees the shards: the optimizer it is handed steps
 them. A micro-batch that accumulates without reducing (``accumulate_grad_batches``) shows ``on_after_backward``
@@ -78,8 +80,9 @@ class WholeParameters:
     """Swaps ``module``'s sharded parameters for whole ones between :meth:`open` and :meth:`close` (see the module
     docstring). Both are collective-free on close; :meth:`open` gathers, so every rank calls it at the same point."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, hooks: frozenset[str] = frozenset(HOOKS)) -> None:
         self.module = module
+        self.hooks = hooks  # those of HOOKS that someone overrides: the others run on the shards, nothing gathered
         self._swapped: dict[int, _Swapped] = {}
         self._places: list[tuple[nn.Module, str, DTensor]] = []
 
@@ -93,6 +96,9 @@ class WholeParameters:
                         self._swapped[id(param)] = _gather(param)
                     owner._parameters[name] = self._swapped[id(param)].whole
                     self._places.append((owner, name, param))
+
+    def reads(self, hook: str) -> bool:
+        return hook in self.hooks
 
     def as_seen(self, params: list[Tensor]) -> list[Tensor]:
         """``params`` (an optimizer's: the shards) as the hooks see them while the view is open."""
@@ -159,7 +165,7 @@ def whole_parameters_in_hooks(
             f" half of the {format_bytes(free or 0)} free. Pass `hook_view='sharded'`: the hook then sees DTensor"
             " shards (`p.grad.full_tensor()` gathers one gradient; norms of DTensors are global)."
         )
-    return WholeParameters(model)
+    return WholeParameters(model, frozenset(reader.rsplit(".", 1)[1] for reader in readers))
 
 
 def explain_sharded_view(exception: BaseException) -> str | None:
