@@ -125,6 +125,14 @@ def test_true_half_precision_keeps_everything_in_the_low_dtype():
     assert est.all_gather_bytes == 448 // 2
 
 
+def test_double_precision_keeps_everything_in_float64():
+    single = estimate_module(meta(), strategy="fsdp2", world_size=2)
+    double = estimate_module(meta(), strategy="fsdp2", world_size=2, precision="64-true")
+    assert double.param_bytes == double.grad_bytes == SHARD_2 * 8
+    assert double.all_gather_bytes == 2 * single.all_gather_bytes
+    assert double.reduce_scatter_bytes == 2 * single.reduce_scatter_bytes
+
+
 def test_optimizers_and_frozen_parameters():
     assert estimate_module(meta(), strategy="fsdp2", world_size=2, optimizer="sgd").optimizer_bytes == 0
     assert estimate_module(meta(), strategy="fsdp2", world_size=2, optimizer="sgd_momentum").optimizer_bytes == 144
