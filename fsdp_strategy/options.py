@@ -317,13 +317,18 @@ class Options:
         accepts=str,
         default="whole",
         check=partial(_mode, modes=HookView),
-        help='what `on_before_optimizer_step` (of the module or a callback) sees: `"whole"`, as under DDP, each'
-        " parameter whole with its whole, reduced gradient (Lightning's `grad_norm`, clipping or NaN checks"
-        " written for DDP work unchanged; what the hook changes is written back into the shards); they are"
-        " gathered for the hook only when one is overridden, one all-gather of parameters and gradients per"
-        " optimizer step and their full size in memory for the hook's duration (more than half of the free"
-        ' memory is refused before training, naming `"sharded"`). `"sharded"`: the DTensor shards, nothing'
-        " gathered (`p.grad.full_tensor()` gathers one)",
+        help="what the hooks that Lightning hands gradients to see: `on_after_backward` and"
+        " `on_before_optimizer_step` (of the module or a callback) and `configure_gradient_clipping` (the"
+        ' module\'s, and the clipping it calls). `"whole"`, as under DDP, each parameter whole with its whole,'
+        " reduced gradient (Lightning's `grad_norm`, clipping read back, NaN checks and comparisons with plain"
+        " tensors work unchanged; what the hooks change, clipping included, is written back into the shards); they"
+        " are gathered only when such a hook is overridden, one all-gather of parameters and gradients per backward"
+        " (`on_after_backward`) and per optimizer step, and their full size in memory for the hook's duration (more"
+        ' than half of the free memory is refused before training, naming `"sharded"`). `"sharded"`: the DTensor'
+        " shards, nothing gathered (`p.grad.full_tensor()` gathers one). Under both, the LightningModule's"
+        " `optimizer_step` sees the shards (its optimizer steps them), and `on_after_backward` of a micro-batch"
+        " that accumulates without reducing sees the gradients of the last reduction (`None` after `zero_grad`),"
+        " where DDP shows the rank's local sum",
     )
 
     @property

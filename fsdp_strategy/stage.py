@@ -27,6 +27,7 @@ from fsdp_strategy._compat import reset_iter_state
 from fsdp_strategy.launch.rendezvous import all_ranks_agree
 from fsdp_strategy.options import HostMemory, Options
 from fsdp_strategy.sharding import averaging, comm_pool, pruning
+from fsdp_strategy.sharding.class_names import PlainClassNames
 from fsdp_strategy.sharding.deferred_init import (
     has_meta_tensors,
     materialize,
@@ -89,6 +90,7 @@ class ModuleSharding:
         self.comm_buffers: comm_pool.BufferPool | None = None
         self.averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self.layer_sync: LayerSync | None = None  # the one applied in setup(), reverted after the stage
+        self.class_names = PlainClassNames()  # ModelSummary's layer types as under DDP, for the stage
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled Trainer leaves out this process's hooks and buffers.
@@ -121,6 +123,7 @@ class ModuleSharding:
                 check_sync_batchnorm(model, arguments.device)
             model = self.shard(model, arguments)
         self.averages = averaging.ShardedAverages.attach(callbacks, model)
+        self.class_names.show(model)
         return model
 
     def after_stage(self, model: nn.Module, *, interrupted: bool) -> nn.Module:
@@ -131,6 +134,7 @@ class ModuleSharding:
             model, self.layer_sync = self.layer_sync.revert(model), None
         if interrupted and isinstance(model, FSDPModule):
             reshard_after_an_error(model)
+        self.class_names.restore()
         return model
 
     def mesh_shape(self, world_size: int, processes_per_node: int) -> tuple[int, int]:

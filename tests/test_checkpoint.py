@@ -146,6 +146,15 @@ def test_saving_and_loading_optimizer_state_never_steps_the_optimizer_nor_drops_
     assert_states_equal({name: full(p.grad) for name, p in model.named_parameters()}, grads)
 
 
+def test_the_stand_in_optimizer_of_a_fit_without_one_stays_with_the_trainer_state():
+    # `configure_optimizers` returning None: Lightning's stand-in saves `{}`, which DCP would not write at all.
+    tensors, rest = ckpt.split_checkpoint({"state_dict": {}, "optimizer_states": [{}], "epoch": 1})
+    assert set(tensors) == {"model"}
+    assert rest == {"optimizer_states": [{}], "epoch": 1}
+    tensors, rest = ckpt.split_checkpoint({"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]})
+    assert set(tensors) == {"model", "optimizer_0"} and "optimizer_states" not in rest
+
+
 def test_a_file_or_a_plain_directory_is_not_a_sharded_checkpoint(tmp_path):
     plain_file = tmp_path / "model.ckpt"
     plain_file.write_bytes(b"")

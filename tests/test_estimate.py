@@ -125,6 +125,14 @@ def test_true_half_precision_keeps_everything_in_the_low_dtype():
     assert est.all_gather_bytes == 448 // 2
 
 
+def test_double_precision_keeps_everything_in_float64():
+    single = estimate_module(meta(), strategy="fsdp2", world_size=2)
+    double = estimate_module(meta(), strategy="fsdp2", world_size=2, precision="64-true")
+    assert double.param_bytes == double.grad_bytes == SHARD_2 * 8
+    assert double.all_gather_bytes == 2 * single.all_gather_bytes
+    assert double.reduce_scatter_bytes == 2 * single.reduce_scatter_bytes
+
+
 def test_optimizers_and_frozen_parameters():
     assert estimate_module(meta(), strategy="fsdp2", world_size=2, optimizer="sgd").optimizer_bytes == 0
     assert estimate_module(meta(), strategy="fsdp2", world_size=2, optimizer="sgd_momentum").optimizer_bytes == 144
@@ -253,9 +261,9 @@ def test_configure_model_runs_on_the_meta_device_too():
         ({"world_size": 0}, "`world_size` must be a positive int; got 0."),
         ({"optimizer": "lamb"}, "`optimizer` must be one of adamw, adam, sgd, sgd_momentum, none; got 'lamb'."),
         (
-            {"precision": "64-true"},
-            "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true (or Lightning's aliases"
-            " 32, 16, bf16); got '64-true'.",
+            {"precision": "transformer-engine"},
+            "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true (or Lightning's"
+            " aliases 32, 16, bf16); got 'transformer-engine'.",
         ),
         ({"accumulate_grad_batches": 0}, "`accumulate_grad_batches` must be a positive int; got 0."),
         ({"processes_per_node": -2}, "`processes_per_node` must be a positive int; got -2."),

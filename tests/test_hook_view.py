@@ -1,4 +1,4 @@
-"""``on_before_optimizer_step`` sees whole parameters and gradients (``fsdp_strategy.sharding.hook_view``), on a real 1-rank
+"""The hooks that read gradients see whole parameters and gradients (``fsdp_strategy.sharding.hook_view``), on a real 1-rank
 gloo group; the 2- and 4-rank comparison with DDP is in ``integration_tests/test_finetuning.py``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
-from fsdp_strategy.sharding.hook_view import WholeParameters, hooks_read_parameters
+from fsdp_strategy.sharding.hook_view import WholeParameters, hooks_read_parameters, whole_parameters_in_hooks
 from testkit import full
 from testkit.models import TinyLM, token_loader
 
@@ -78,7 +78,30 @@ def test_who_reads_parameters_in_the_hook_is_named():
             pass
 
     assert hooks_read_parameters(TinyLM(), [L.Callback()]) == []
-    assert hooks_read_parameters(GradNormLM(), [Reader(), L.Callback()]) == ["GradNormLM", "Reader"]
+    assert hooks_read_parameters(GradNormLM(), [Reader(), L.Callback()]) == [
+        "GradNormLM.on_before_optimizer_step",
+        "Reader.on_before_optimizer_step",
+    ]
+
+    class Clipping(TinyLM):
+        def on_after_backward(self) -> None:
+            pass
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):  # type: ignore[no-untyped-def]
+            pass
+
+    assert hooks_read_parameters(Clipping(), []) == [
+        "Clipping.on_after_backward",
+        "Clipping.configure_gradient_clipping",
+    ]
+
+
+def test_only_the_overridden_hooks_gather(mesh):
+    model = sharded_pair(mesh)
+    view = whole_parameters_in_hooks(model, (GradNormLM(), []), torch.device("cpu"), 1)
+    assert view is not None and view.reads("on_before_optimizer_step")
+    assert not view.reads("on_after_backward")  # no gather after each backward for the grad_norm recipe
+    assert whole_parameters_in_hooks(model, (TinyLM(), [L.Callback()]), torch.device("cpu"), 1) is None
 
 
 def test_grad_norm_in_the_hook_logs_the_single_device_values(trainer_env):
@@ -108,4 +131,4 @@ def test_under_the_sharded_view_the_error_names_the_whole_view(trainer_env):
     with pytest.raises(RuntimeError, match="its data is not allocated yet") as failure:
         fit(GradNormLM(), hook_view="sharded")
     note = "\n".join(getattr(failure.value, "__notes__", []))
-    assert "Pass `hook_view='whole'` to see them whole in `on_before_optimizer_step`, as under DDP" in note
+    assert "Pass `hook_view='whole'` to see them whole in the hooks that read gradients, as under DDP" in note

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import fsdp_strategy  # noqa: F401  (importing it registers the strategy names)
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.plugins.precision import (
+    FSDP2DoublePrecision,
     FSDP2HalfPrecision,
     FSDP2MixedPrecision,
     FSDP2Precision,
@@ -28,7 +29,6 @@ ACCEPTED_POLICIES = (
     '"auto", a list of module class names (e.g. ["Block"]), a set of nn.Module classes, a callable'
     " (name, module) -> bool, a positive int (minimum parameters per unit), or None"
 )
-SUPPORTED = "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true"
 OFFLOAD_NEEDS_CUDA = (
     "`cpu_offload=True` (strategy 'fsdp2_offload') needs CUDA: it moves sharded state between"
     " GPU and host memory, and no CUDA device is available here. Use `cpu_offload=False`."
@@ -323,6 +323,8 @@ def test_default_precision_plugin_is_full_precision():
         ("32-true", FSDP2Precision, None),
         ("bf16-mixed", FSDP2MixedPrecision, torch.bfloat16),
         ("bf16-true", FSDP2HalfPrecision, None),
+        ("64-true", FSDP2DoublePrecision, None),
+        ("64", FSDP2DoublePrecision, None),
     ],
 )
 def test_trainer_precision_becomes_the_strategy_plugin_and_policy(precision, plugin_type, param_dtype):
@@ -332,21 +334,13 @@ def test_trainer_precision_becomes_the_strategy_plugin_and_policy(precision, plu
     assert trainer.strategy.mp_policy().param_dtype == param_dtype
 
 
-def test_unsupported_trainer_precision_is_rejected_at_trainer_construction():
-    message = (
-        f"FSDP2Strategy does not support `Trainer(precision='64-true')` (DoublePrecision). Choose one of: {SUPPORTED}."
-    )
-    with pytest.raises(ValueError, match=re.escape(message)):
-        cpu_trainer(strategy="fsdp2", precision="64-true")
-
-
 def test_custom_precision_plugin_is_rejected_and_named():
     class MyPrecision(Precision):
         precision = "32-true"
 
     message = (
         "FSDP2Strategy does not take custom precision plugins; got MyPrecision. Use `Trainer(precision=...)`"
-        " with one of: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, or pass `mp_policy=` to the strategy."
+        " with one of: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true, or pass `mp_policy=` to the strategy."
     )
     with pytest.raises(TypeError, match=re.escape(message)):
         cpu_trainer(strategy="fsdp2", plugins=[MyPrecision()])

@@ -42,7 +42,13 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     """The sharded tensors (model, optimizers) in Lightning's DCP layout, and the rest of the trainer state."""
     rest = dict(checkpoint)
     tensors = {MODEL_KEY: rest.pop("state_dict")}
-    tensors.update({optimizer_key(i): state for i, state in enumerate(rest.pop("optimizer_states", []))})
+    optimizer_states = rest.pop("optimizer_states", [])
+    if optimizer_states and all("state" not in state for state in optimizer_states):
+        # Lightning's stand-in when `configure_optimizers` returns None: its `{}` has nothing for DCP to write, and
+        # the trainer state keeps it, or resuming would find no optimizer state at all.
+        rest["optimizer_states"] = optimizer_states
+    else:
+        tensors.update({optimizer_key(i): state for i, state in enumerate(optimizer_states)})
     # Sharded state a callback put in the checkpoint (WeightAveraging's "current_model_state") is saved
     # in shards under its own key, as the module's is: meta.pt would hold rank 0's shards only.
     tensors.update({key: rest.pop(key) for key in list(rest) if holds_dtensor(rest[key])})

@@ -58,8 +58,10 @@ def _parameters(optimizer: Optimizer) -> list[Tensor]:
 
 def sharded_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` keyed by parameter name, DTensor entries as they are (for a sharded save)."""
-    names = parameter_names(model, optimizer)
     saved = optimizer.state_dict()
+    if _holds_no_state(saved):
+        return saved
+    names = parameter_names(model, optimizer)
     return {
         "state": {names[index]: dict(entries) for index, entries in saved["state"].items()},
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in saved["param_groups"]],
@@ -70,6 +72,8 @@ def full_state(optimizer: Optimizer, *, keep: bool) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every DTensor entry gathered whole on the CPU (a collective per entry,
     so every rank calls it); ``{}`` where not ``keep``, which then never holds more than one entry at a time."""
     saved = optimizer.state_dict()
+    if _holds_no_state(saved):
+        return saved if keep else {}
     state: dict[int, dict[str, Any]] = {}
     for index in sorted(saved["state"]):
         entries = {}
@@ -85,12 +89,21 @@ def full_state(optimizer: Optimizer, *, keep: bool) -> dict[str, Any]:
 def load_full_state(optimizer: Optimizer, saved: Mapping[str, Any]) -> None:
     """Loads a full optimizer state (Lightning's layout, whole tensors, the same on every rank): each rank keeps
     its shard of every entry shaped like a sharded parameter. No communication."""
+    if _holds_no_state(saved):
+        optimizer.load_state_dict(dict(saved))
+        return
     params = _parameters(optimizer)
     state: dict[int, dict[str, Any]] = {}
     for index, entries in saved["state"].items():
         param = params[index] if isinstance(index, int) and index < len(params) else None
         state[index] = {key: _shard_like(value, param) for key, value in entries.items()}
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _holds_no_state(saved: Mapping[str, Any]) -> bool:
+    # Lightning's stand-in optimizer when `configure_optimizers` returns None gives `{}`: saved and loaded as it is,
+    # as DDP does.
+    return "state" not in saved
 
 
 def _shard_like(value: Any, param: Tensor | None) -> Any:

@@ -43,7 +43,7 @@ __all__ = [
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 # What `precision` accepts: the supported precisions, then the aliases (the CLI's choices).
 ACCEPTED_PRECISIONS = (*SUPPORTED_PRECISIONS, *_PRECISION_ALIASES)
-_HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
 def canonical_precision(precision: str) -> str:
@@ -152,10 +152,10 @@ def _param_infos(
     params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None, names: dict[int, str]
 ) -> list[ParamInfo]:
     infos = []
-    half = _HALF_DTYPES.get(precision)
+    true_dtype = _TRUE_DTYPES.get(precision)
     for param in params:
         floating = param.is_floating_point()
-        storage = half if half is not None and floating else param.dtype  # *-true casts the whole model
+        storage = true_dtype if true_dtype is not None and floating else param.dtype  # *-true casts the whole model
         compute = policy.param_dtype if policy is not None and policy.param_dtype and floating else storage
         reduce = policy.reduce_dtype if policy is not None and policy.reduce_dtype and floating else compute
         infos.append(

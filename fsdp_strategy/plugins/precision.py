@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import (
     TransformerEnginePrecision,
     XLAPrecision,
 )
+from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
     "translate_trainer_plugin",
 ]
 
-SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 
 def precision_plugin_for(precision: str, device_type: str) -> Precision:
@@ -45,6 +46,8 @@ def precision_plugin_for(precision: str, device_type: str) -> Precision:
         return FSDP2HalfPrecision(precision)  # type: ignore[arg-type]
     if precision == "32-true":
         return FSDP2Precision()
+    if precision == "64-true":
+        return FSDP2DoublePrecision()
     raise ValueError(
         f"`Trainer(precision={precision!r})` is not supported by the FSDP2 strategy. Choose one of:"
         f" {', '.join(SUPPORTED_PRECISIONS)}."
@@ -57,21 +60,42 @@ class ParameterView(Protocol):
 
     def open(self) -> None: ...
 
+    def reads(self, hook: str) -> bool: ...
+
+    def as_seen(self, params: list[Tensor]) -> list[Tensor]: ...
+
     def close(self) -> None: ...
 
 
 class _WholeParametersInHooks:
-    """Runs ``on_before_optimizer_step`` with the whole parameters and gradients of :attr:`hook_view`
+    """Runs the hooks that read gradients (``on_after_backward``, ``on_before_optimizer_step``,
+    ``configure_gradient_clipping``) with the whole parameters and gradients of :attr:`hook_view`
     (:class:`~fsdp_strategy.sharding.hook_view.WholeParameters`, set by the strategy; ``None``: the shards as they are).
 
-    Lightning's ``Precision._after_closure`` calls the hooks and then ``_clip_gradients``: the shards are back
-    before clipping, which works on them across ranks.
+    Lightning's ``Precision._after_closure`` calls ``on_before_optimizer_step`` and then ``_clip_gradients``, which
+    calls ``configure_gradient_clipping``: both see one view, so clipping works on whole gradients as under DDP and
+    what it changed is written into the shards when the view closes.
     """
 
     hook_view: ParameterView | None = None
 
+    def post_backward(self, tensor: Any, module: Any) -> Any:
+        if self.hook_view is None or not self.hook_view.reads("on_after_backward"):
+            return super().post_backward(tensor, module)  # type: ignore[misc]
+        self.hook_view.open()
+        try:
+            return super().post_backward(tensor, module)  # type: ignore[misc]
+        finally:
+            self.hook_view.close()
+
+    def main_params(self, optimizer: Any) -> Any:
+        # What `clip_gradients` clips: the whole parameters while the hooks see them, so that they see the result.
+        params = list(super().main_params(optimizer))  # type: ignore[misc]
+        return params if self.hook_view is None else self.hook_view.as_seen(params)
+
     def _after_closure(self, model: Any, optimizer: Any) -> None:
-        if self.hook_view is None:
+        view = self.hook_view
+        if view is None or not (view.reads("on_before_optimizer_step") or view.reads("configure_gradient_clipping")):
             return super()._after_closure(model, optimizer)  # type: ignore[misc]
         self.hook_view.open()
         try:
@@ -79,14 +103,13 @@ class _WholeParametersInHooks:
         finally:
             self.hook_view.close()
 
-    def _clip_gradients(self, *args: Any, **kwargs: Any) -> None:
-        if self.hook_view is not None:
-            self.hook_view.close()
-        super()._clip_gradients(*args, **kwargs)  # type: ignore[misc]
-
 
 class FSDP2Precision(_WholeParametersInHooks, Precision):
     """``"32-true"``."""
+
+
+class FSDP2DoublePrecision(_WholeParametersInHooks, DoublePrecision):
+    """``"64-true"``: parameters, gradients and optimizer state in float64, sharded like any others."""
 
 
 class FSDP2HalfPrecision(_WholeParametersInHooks, HalfPrecision):
@@ -105,7 +128,7 @@ class FSDP2MixedPrecision(_WholeParametersInHooks, MixedPrecision):
         super().__init__(precision, device_type, scaler=scaler)  # type: ignore[arg-type]
 
 
-FSDP2_PLUGINS = (FSDP2Precision, FSDP2HalfPrecision, FSDP2MixedPrecision)
+FSDP2_PLUGINS = (FSDP2Precision, FSDP2DoublePrecision, FSDP2HalfPrecision, FSDP2MixedPrecision)
 
 # Lightning's own plugins, one of which its connector builds from `Trainer(precision=...)` for a strategy it has
 # no plugin class for: they carry the precision the user chose, which becomes one of FSDP2_PLUGINS.

@@ -1,14 +1,22 @@
-"""What ``on_before_optimizer_step`` sees: whole parameters with their whole, reduced gradients, as under DDP.
+"""What the hooks that read gradients see: whole parameters with their whole, reduced gradients, as under DDP.
 
 Between backward and the optimizer step a sharded module's parameters and gradients are DTensor shards. Code
-written for DDP reads them in that hook (Lightning's ``grad_norm`` recipe, custom clipping, a NaN check) and
+written for DDP reads them in ``on_after_backward``, ``on_before_optimizer_step`` and
+``configure_gradient_clipping`` (Lightning's ``grad_norm`` recipe, custom clipping, a NaN check, a gradient
+compared with a plain tensor) and
 fails on a DTensor ("The tensor has a non-zero number of elements, but its data is not allocated yet") or
 computes with one rank's shard. :class:`WholeParameters` shows the hooks what DDP shows: while they run, each
 sharded parameter of the module is replaced by a plain ``nn.Parameter`` holding its full value and full
 gradient; afterwards the module gets its shards back, and whatever the hooks changed (a gradient scaled,
 replaced or set to ``None``, a parameter's value) is written into this rank's shards. Gathering costs one
-all-gather of the parameters and gradients per optimizer step, and as much memory as they take whole, for
-the duration of the hooks; it is done only when a hook is overridden (:func:`hooks_read_parameters`).
+all-gather of the parameters and gradients per optimizer step (``on_before_optimizer_step`` and
+``configure_gradient_clipping`` share one) and per backward (``on_after_backward``), and as much memory as they
+take whole, for the duration of the hooks; each is done only when its hook is overridden
+(:func:`hooks_read_parameters`).
+
+``optimizer_step`` (the LightningModule's) is the one hook that sees the shards: the optimizer it is handed steps
+them. A micro-batch that accumulates without reducing (``accumulate_grad_batches``) shows ``on_after_backward``
+the gradients of the last reduction (``None`` after ``zero_grad``), where DDP shows the rank's local sum.
 """
 
 from __future__ import annotations
@@ -35,19 +43,22 @@ __all__ = [
     "whole_bytes",
 ]
 
-HOOK = "on_before_optimizer_step"
+# The hooks that see the view, and whether callbacks have them too (configure_gradient_clipping is the module's).
+HOOKS = {"on_after_backward": True, "on_before_optimizer_step": True, "configure_gradient_clipping": False}
 
 
 def hooks_read_parameters(module: nn.Module, callbacks: list[Callback]) -> list[str]:
-    """Who overrides ``on_before_optimizer_step``: the module and callbacks by class name (empty: nobody)."""
+    """Which of :data:`HOOKS` the module and callbacks override, as ``Class.hook`` (empty: none)."""
     from lightning.pytorch import LightningModule
 
-    found = (
-        [type(module).__name__]
-        if isinstance(module, LightningModule) and is_overridden(HOOK, module, LightningModule)
-        else []
-    )
-    return found + [type(c).__name__ for c in callbacks if is_overridden(HOOK, c, Callback)]
+    found = []
+    for hook, callbacks_have_it in HOOKS.items():
+        if isinstance(module, LightningModule) and is_overridden(hook, module, LightningModule):
+            found.append(f"{type(module).__name__}.{hook}")
+        found += [
+            f"{type(c).__name__}.{hook}" for c in callbacks if callbacks_have_it and is_overridden(hook, c, Callback)
+        ]
+    return found
 
 
 def whole_bytes(module: nn.Module) -> int:
@@ -69,8 +80,9 @@ class WholeParameters:
     """Swaps ``module``'s sharded parameters for whole ones between :meth:`open` and :meth:`close` (see the module
     docstring). Both are collective-free on close; :meth:`open` gathers, so every rank calls it at the same point."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, hooks: frozenset[str] = frozenset(HOOKS)) -> None:
         self.module = module
+        self.hooks = hooks  # those of HOOKS that someone overrides: the others run on the shards, nothing gathered
         self._swapped: dict[int, _Swapped] = {}
         self._places: list[tuple[nn.Module, str, DTensor]] = []
 
@@ -84,6 +96,13 @@ class WholeParameters:
                         self._swapped[id(param)] = _gather(param)
                     owner._parameters[name] = self._swapped[id(param)].whole
                     self._places.append((owner, name, param))
+
+    def reads(self, hook: str) -> bool:
+        return hook in self.hooks
+
+    def as_seen(self, params: list[Tensor]) -> list[Tensor]:
+        """``params`` (an optimizer's: the shards) as the hooks see them while the view is open."""
+        return [self._swapped[id(p)].whole if id(p) in self._swapped else p for p in params]
 
     def close(self) -> None:
         for owner, name, param in self._places:
@@ -141,12 +160,12 @@ def whole_parameters_in_hooks(
         free = None if available is None else available // processes_per_node
     if not all_ranks_agree(free is None or needed <= free // 2, device):
         raise ValueError(
-            f"{', '.join(readers)} overrides `on_before_optimizer_step`, which FSDP2Strategy(hook_view='whole')"
-            f" shows whole parameters and gradients, as DDP does: {format_bytes(needed)} on each rank, more than"
+            f"{', '.join(readers)}: FSDP2Strategy(hook_view='whole') shows these hooks whole parameters and"
+            f" gradients, as DDP does: {format_bytes(needed)} on each rank, more than"
             f" half of the {format_bytes(free or 0)} free. Pass `hook_view='sharded'`: the hook then sees DTensor"
             " shards (`p.grad.full_tensor()` gathers one gradient; norms of DTensors are global)."
         )
-    return WholeParameters(model)
+    return WholeParameters(model, frozenset(reader.rsplit(".", 1)[1] for reader in readers))
 
 
 def explain_sharded_view(exception: BaseException) -> str | None:
@@ -156,6 +175,6 @@ def explain_sharded_view(exception: BaseException) -> str | None:
     return (
         "Under FSDP2Strategy(hook_view='sharded'), parameters and gradients are DTensor shards, and code written"
         " for plain tensors (Lightning's `grad_norm`, `torch.tensor([...])` of norms) cannot read them. Pass"
-        " `hook_view='whole'` to see them whole in `on_before_optimizer_step`, as under DDP, or read"
+        " `hook_view='whole'` to see them whole in the hooks that read gradients, as under DDP, or read"
         " `p.grad.full_tensor()`."
     )

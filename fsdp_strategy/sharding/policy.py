@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+
+from fsdp_strategy.sharding.class_names import module_class
 
 __all__ = ["ModulePolicy", "PolicyInput", "class_name", "normalize_policy", "select_modules"]
 
@@ -166,10 +167,7 @@ def _by_size(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
 
 def class_name(module: nn.Module) -> str:
     """The module's own class name, also after ``fully_shard`` swapped in its ``FSDP<Name>`` subclass."""
-    cls = type(module)
-    if issubclass(cls, FSDPModule):
-        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
-    return cls.__name__
+    return (module_class(type(module)) or type(module)).__name__
 
 
 def _has_parameters(module: nn.Module) -> bool:
