@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.checkpoint import state_dicts as ckpt
 from fsdp_strategy.checkpoint import writing
+from fsdp_strategy.checkpoint.layout import split_checkpoint
 from fsdp_strategy.checkpoint.trainer_state import TRAINER_STATE_FILENAME
 from fsdp_strategy.checkpoint.verify import is_sharded_checkpoint
 from fsdp_strategy.sharding.parallelize import (
@@ -148,10 +149,10 @@ def test_saving_and_loading_optimizer_state_never_steps_the_optimizer_nor_drops_
 
 def test_the_stand_in_optimizer_of_a_fit_without_one_stays_with_the_trainer_state():
     # `configure_optimizers` returning None: Lightning's stand-in saves `{}`, which DCP would not write at all.
-    tensors, rest = ckpt.split_checkpoint({"state_dict": {}, "optimizer_states": [{}], "epoch": 1})
+    tensors, rest = split_checkpoint({"state_dict": {}, "optimizer_states": [{}], "epoch": 1})
     assert set(tensors) == {"model"}
     assert rest == {"optimizer_states": [{}], "epoch": 1}
-    tensors, rest = ckpt.split_checkpoint({"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]})
+    tensors, rest = split_checkpoint({"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]})
     assert set(tensors) == {"model", "optimizer_0"} and "optimizer_states" not in rest
 
 

@@ -18,7 +18,7 @@ from fsdp_strategy.checkpoint import verify
 from fsdp_strategy.checkpoint.trainer_state import load_trainer_state
 from fsdp_strategy.modes import StateDictType
 from fsdp_strategy.options import OPTIONS, check_options
-from fsdp_strategy.options_table import markdown_table
+from fsdp_strategy.options_table import markdown_table, readme_with_table
 from fsdp_strategy.strategy import FSDP2Strategy
 from testkit.models import TinyLM, token_loader
 
@@ -97,11 +97,20 @@ def test_an_unknown_option_is_refused_by_name():
 
 
 def test_the_readme_options_table_is_the_one_rendered_from_the_options():
-    # Regenerate it with `python -m fsdp_strategy.options_table` after changing an option.
+    # Regenerate it with `python -m fsdp_strategy.options_table README.md` after changing an option.
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
     first_table = section[section.index("\n|") + 1 :].split("\n\n", 1)[0] + "\n"
     assert first_table == markdown_table()
+
+
+def test_the_table_is_put_in_place_of_a_stale_one_and_nothing_else_changes():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    stale = readme.replace(
+        markdown_table(), "| option | default | meaning |\n|---|---|---|\n| `gone` | `1` | old |\n", 1
+    )
+    assert stale != readme
+    assert readme_with_table(stale) == readme
 
 
 def test_lightning_cli_help_shows_each_option_meaning():
