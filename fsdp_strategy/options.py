@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.checkpoint import pretrained, storage
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
@@ -122,7 +122,9 @@ class Options:
         waits for the previous one, and a failed write raises on every rank at the next save or
         at the end.
     init_weights: a full weights file (a consolidated or single-file Lightning checkpoint, or a
-        plain state-dict file) to start from. Only rank 0 reads it; every rank receives its shards.
+        plain state-dict file) to start from: only rank 0 reads it; every rank receives its shards. Or a
+        Hugging Face weights directory (``model.safetensors`` or ``model.safetensors.index.json``, what
+        ``save_pretrained`` writes): each rank reads only its shards' rows from the files.
     process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
     timeout: seconds (or a ``timedelta``) that the start-up rendezvous and every collective wait for a
         peer before failing. The error names the rank (and node) that never arrived or was lost.
@@ -251,9 +253,15 @@ def check_options(
             raise TypeError(f"`init_weights` must be a file path (str) or None; got {init_weights!r}.")
         # A URL is read (and its absence reported on every rank) by rank 0 in setup: checking it here would
         # reach the object store from every process that builds a strategy.
-        if not storage.is_url(init_weights) and not Path(init_weights).is_file():
+        if pretrained.is_weights_directory(init_weights):
+            try:
+                pretrained.weight_files(init_weights)
+            except ValueError as exc:
+                raise ValueError(f"`init_weights`: {exc}") from exc
+        elif not storage.is_url(init_weights) and not Path(init_weights).is_file():
             raise ValueError(
-                f"`init_weights` must name an existing weights file; got '{init_weights}', which is not a file."
+                "`init_weights` must name an existing weights file or a Hugging Face weights directory; got"
+                f" '{init_weights}', which is neither."
             )
     check_nonfinite_grads_option(nonfinite_grads)
     return Options(

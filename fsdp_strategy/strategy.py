@@ -75,7 +75,8 @@ class FSDP2Strategy(ParallelStrategy):
         meta_init: build ``configure_model``'s modules on the meta device, initialized shard by shard.
         state_dict_type: ``"sharded"`` (a Distributed Checkpoint directory), ``"full"`` (one file), ``"auto"``.
         async_save: write checkpoints in the background while training continues.
-        init_weights: a full weights file to start from; only rank 0 reads it.
+        init_weights: a full weights file to start from (only rank 0 reads it), or a Hugging Face weights
+            directory (each rank reads only its shards' rows).
         process_group_backend: ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
         timeout: seconds (or a ``timedelta``) the rendezvous and every collective wait for a peer.
         nonfinite_grads: a NaN/inf gradient: ``"ignore"``, ``"skip"`` the step (:attr:`skipped_steps`), ``"raise"``.
