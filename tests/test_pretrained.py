@@ -194,3 +194,39 @@ def test_a_directory_without_weights_or_with_a_broken_index_is_refused_by_the_op
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         FSDP2Strategy(init_weights=str(weights))
+
+
+class LlamaFromConfig(torch.nn.Module):
+    """The Llama a recipe builds from the directory's config, for the estimator's reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama()
+
+
+def test_the_estimator_reads_a_weights_directory_from_its_headers_as_the_model_built_from_its_config(tmp_path):
+    from fsdp_strategy.estimator.report import estimate
+
+    weights = saved(llama(), tmp_path / "w", max_shard_size="20KB")
+    from_headers = estimate(str(weights), world_sizes=[1, 2, 4])
+    from_config = estimate(LlamaFromConfig, world_sizes=[1, 2, 4])
+    assert from_headers.model == str(weights)
+    assert from_headers.num_params == from_config.num_params == sum(p.numel() for p in llama().parameters())
+    assert [row.as_dict() for row in from_headers.rows] == [row.as_dict() for row in from_config.rows]
+    message = (
+        f"The Hugging Face weights '{weights}' hold parameters, not the model's code: `batch_size` (a traced step)"
+        " and `init_args` need the module given as 'MODULE:Class'."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        estimate(str(weights), world_sizes=[2], batch_size=2, seq_len=8)
+
+
+def test_the_estimate_command_takes_a_weights_directory(tmp_path, capsys):
+    from fsdp_strategy.tools.cli import main
+
+    weights = saved(llama(), tmp_path / "w")
+    assert main(["estimate", str(weights), "--world-sizes", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == str(weights)
+    assert report["num_params"] == sum(p.numel() for p in llama().parameters())
+    assert {row["strategy"] for row in report["rows"]} >= {"ddp", "fsdp2"}

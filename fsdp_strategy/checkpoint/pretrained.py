@@ -159,20 +159,17 @@ def load_pretrained(model: nn.Module, directory: Path | str, *, strict: bool) ->
     """
     headers = read_headers(directory)
     plan = _match(model, headers, directory, strict=strict)
-    by_file: dict[str, list[tuple[str, Tensor]]] = {}
-    for key, target in plan.items():
-        by_file.setdefault(headers[key].file, []).append((key, target))
     with torch.no_grad():
-        for file, entries in sorted(by_file.items()):
-            # One handle per file: its memory map holds only the pages this rank's regions touched.
-            handle = _open(Path(directory) / file, directory)
-            for key, target in entries:
-                region = local_region(target)
-                values = handle.get_slice(key)[region] if region else handle.get_tensor(key)
-                local = target.to_local() if isinstance(target, DTensor) else target
-                local.copy_(values.to(local.dtype))
-                del values
+        for key, target in sorted(plan.items(), key=lambda item: (headers[item[0]].file, item[0])):
+            # A handle per tensor: the pages of the file's memory map that this rank's rows touched count in its
+            # resident memory until the map is closed, so one per file would hold this rank's part of a whole file.
+            handle = _open(Path(directory) / headers[key].file, directory)
+            region = local_region(target)
+            values = handle.get_slice(key)[region] if region else handle.get_tensor(key)
             del handle
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(values.to(local.dtype))
+            del values
 
 
 def _open(path: Path, directory: Path | str) -> Any:
