@@ -230,3 +230,25 @@ def test_the_estimate_command_takes_a_weights_directory(tmp_path, capsys):
     assert report["model"] == str(weights)
     assert report["num_params"] == sum(p.numel() for p in llama().parameters())
     assert {row["strategy"] for row in report["rows"]} >= {"ddp", "fsdp2"}
+
+
+class LlamaWithHead(torch.nn.Module):
+    """A new head beside the pretrained model: its parameters are outside the prefix the file matches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = llama()
+        self.head = torch.nn.Linear(36, 3)
+
+
+def test_a_new_module_beside_the_pretrained_model_keeps_its_initialization(single_rank_group, mesh, tmp_path):
+    source = llama()
+    weights = saved(source, tmp_path / "w")
+    model = LlamaWithHead()
+    for param in model.backbone.parameters():
+        param.data.zero_()
+    head = model.head.weight.detach().clone()
+    fully_shard(model, mesh=mesh)
+    load_pretrained(model, weights, strict=True)
+    assert torch.equal(model.head.weight.full_tensor(), head)
+    assert torch.equal(model.backbone.model.norm.weight.full_tensor(), source.model.norm.weight)
