@@ -295,7 +295,7 @@ class CheckpointManager:
         error: Exception | None = None
         try:
             pretrained.load_pretrained(model, path, strict=strategy.lightning_module.strict_loading)
-        except (ValueError, OSError) as exc:
+        except Exception as exc:  # whatever it is, the other ranks must not go on into training without this one
             error = exc
         if not all_ranks_agree(error is None, strategy.root_device):
             if error is not None:
