@@ -252,3 +252,14 @@ def test_a_new_module_beside_the_pretrained_model_keeps_its_initialization(singl
     load_pretrained(model, weights, strict=True)
     assert torch.equal(model.head.weight.full_tensor(), head)
     assert torch.equal(model.backbone.model.norm.weight.full_tensor(), source.model.norm.weight)
+
+
+def test_a_truncated_weights_file_is_named(tmp_path):
+    weights = saved(llama(), tmp_path / "w")
+    file = weights / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1000])
+    message = (
+        f"`init_weights`: Hugging Face weights '{weights}': 'model.safetensors' is not a readable safetensors file ("
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FSDP2Strategy(init_weights=str(weights))
