@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.checkpoint import pretrained
+from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.modes import CheckpointFormat, HookView, HostMemory, NonFiniteGrads, StateDictType
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
@@ -143,9 +144,18 @@ def _weights_file(value: Any, *, option: str) -> Path | str | None:
         raise TypeError(f"`{option}` must be a file path (str) or None; got {value!r}.")
     # A URL is read (and its absence reported on every rank) by rank 0 in setup: checking it here would
     # reach the object store from every process that builds a strategy.
-    if not storage.is_url(value) and not Path(value).is_file():
-        raise ValueError(f"`{option}` must name an existing weights file; got '{value}', which is not a file.")
-    return storage.location(value)
+    where = location_of(value)
+    if pretrained.is_weights_directory(value):
+        try:
+            pretrained.weight_files(value)
+        except ValueError as exc:
+            raise ValueError(f"`{option}`: {exc}") from exc
+    elif not where.remote and not where.is_file():
+        raise ValueError(
+            f"`{option}` must name an existing weights file or a Hugging Face weights directory; got '{value}',"
+            " which is neither."
+        )
+    return where.value
 
 
 def _seconds(value: Any, *, option: str) -> timedelta:
@@ -273,7 +283,9 @@ class Options:
         accepts=str | None,
         default=None,
         check=_weights_file,
-        help="a full weights file (Lightning checkpoint or plain state dict) to start from; only rank 0 reads it",
+        help="a full weights file (Lightning checkpoint or plain state dict) to start from, which only rank 0 reads;"
+        " or a Hugging Face weights directory (`model.safetensors` or `model.safetensors.index.json`, what"
+        " `save_pretrained` writes), from which each rank reads only its shards' rows",
     )
     process_group_backend: str | None = _option(
         accepts=str | None,

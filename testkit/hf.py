@@ -9,7 +9,7 @@ from lightning import LightningModule
 
 from testkit.models import VOCAB
 
-__all__ = ["TINY_LLAMA", "TinyLlama"]
+__all__ = ["TINY_LLAMA", "UNEVEN_LLAMA", "PretrainedLlama", "TinyLlama"]
 
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -19,6 +19,17 @@ TINY_LLAMA: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
+}
+
+# First dimensions 2 and 4 ranks do not divide: vocabulary 37, key/value projections 3 x 6 = 18 rows, an MLP of 5
+# rows (at 4 ranks 2, 2, 1 and none: the last rank holds nothing of it).
+UNEVEN_LLAMA: dict[str, Any] = {
+    **TINY_LLAMA,
+    "vocab_size": 37,
+    "hidden_size": 36,
+    "intermediate_size": 5,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
 }
 
 
@@ -47,3 +58,28 @@ class TinyLlama(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class PretrainedLlama(LightningModule):
+    """A recipe that fine-tunes a pretrained Llama: the model is built in ``configure_model``, from ``weights``
+    with ``from_pretrained`` (as under DDP), or from the config alone when the strategy's ``init_weights`` loads
+    them (under ``meta_init`` on the meta device)."""
+
+    def __init__(self, config: dict[str, Any], weights: str | None = None, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        if self.model is not None:
+            return
+        if self.hparams.weights is None:
+            self.model = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(self.hparams.config))
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.hparams.weights)
+
+    forward = TinyLlama.forward
+    training_step = TinyLlama.training_step
+    configure_optimizers = TinyLlama.configure_optimizers

@@ -234,7 +234,10 @@ def test_init_weights_must_be_an_existing_file(tmp_path):
     from fsdp_strategy import FSDP2Strategy
 
     missing = tmp_path / "nope.pt"
-    message = f"`init_weights` must name an existing weights file; got '{missing}', which is not a file."
+    message = (
+        "`init_weights` must name an existing weights file or a Hugging Face weights directory; got"
+        f" '{missing}', which is neither."
+    )
     with pytest.raises(ValueError, match=re.escape(message)):
         FSDP2Strategy(init_weights=str(missing))
 

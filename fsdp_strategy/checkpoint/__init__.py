@@ -14,6 +14,7 @@
 * ``resume_last``: ``fit(ckpt_path="last")`` when checkpoints are saved to a URL (a launcher that finds it);
 * ``reader``: a checkpoint opened once outside training, for the tools (consolidate, export);
 * ``weights``: its model weights tensor by tensor, each read in blocks (the Hugging Face export);
+* ``pretrained``: Hugging Face weights (``save_pretrained``'s safetensors) read into shards, each rank its rows;
 * ``errors``: ``CheckpointError``, which names the checkpoint and the broken file;
 * ``optimizer_state``: an optimizer's state in and out of checkpoints, as the optimizer holds it.
 """

@@ -21,11 +21,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fsdp_strategy import host_memory
-from fsdp_strategy.checkpoint import background, saving, state_dicts
+from fsdp_strategy.checkpoint import background, pretrained, saving, state_dicts
 from fsdp_strategy.checkpoint.formats import FullFormat, SavedFormat, format_named, saved_format
 from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
-from fsdp_strategy.launch.rendezvous import on_rank_zero
+from fsdp_strategy.launch.rendezvous import all_ranks_agree, on_rank_zero
 from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
 from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 from fsdp_strategy.sharding.unshard import sharded_optimizers
@@ -240,6 +240,8 @@ class CheckpointManager:
 
     def _load_init_weights(self, model: nn.Module) -> None:
         path, strategy = self.init_weights, self.strategy
+        if pretrained.is_weights_directory(path):
+            return self._load_pretrained(model, path)  # type: ignore[arg-type]
         weights = on_rank_zero(
             lambda: state_dicts.read_full_weights(path),  # type: ignore[arg-type]
             lambda message: ValueError(f"Could not read `init_weights` '{path}' on rank 0: {message}"),
@@ -248,6 +250,21 @@ class CheckpointManager:
         )
         assert strategy.lightning_module is not None
         state_dicts.load_full_weights(model, weights or {}, strict=strategy.lightning_module.strict_loading)
+
+    def _load_pretrained(self, model: nn.Module, path: Path) -> None:
+        # Every rank reads its own slices: no rank holds the full model, nothing is broadcast. The checks of names
+        # and shapes give every rank the same error; a read that fails on one rank only fails them all together.
+        strategy = self.strategy
+        assert strategy.lightning_module is not None
+        error: Exception | None = None
+        try:
+            pretrained.load_pretrained(model, path, strict=strategy.lightning_module.strict_loading)
+        except Exception as exc:  # whatever it is, the other ranks must not go on into training without this one
+            error = exc
+        if not all_ranks_agree(error is None, strategy.root_device):
+            if error is not None:
+                raise error
+            raise ValueError(f"Could not read `init_weights` '{path}' on another rank; its log names why.")
 
     def restore_after_sharding(self) -> None:
         """Loads the module state that a module without values could not take before it was sharded."""

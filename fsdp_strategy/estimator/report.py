@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_strategy.checkpoint.pretrained import is_weights_directory
 from fsdp_strategy.estimator.fit import Recommendation, fit_budget
 from fsdp_strategy.estimator.groups import canonical_precision, unique_parameters
 from fsdp_strategy.estimator.model_state import (
@@ -28,7 +29,7 @@ from fsdp_strategy.estimator.model_state import (
     node_size_mismatch,
 )
 from fsdp_strategy.estimator.peak import StepPeaks
-from fsdp_strategy.estimator.target import load_function, load_target
+from fsdp_strategy.estimator.target import load_function, load_target, weights_skeleton
 from fsdp_strategy.estimator.trace import token_batch
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import PolicyInput, class_name, normalize_policy
@@ -105,7 +106,9 @@ def estimate(
 
     ``target`` is a module class or ``"package.module:Class"``; it is built with ``init_args`` on the
     meta device (``configure_model()`` too, when a LightningModule defines it), so no memory is
-    allocated and no process group is needed. With a ``budget`` (bytes per rank, an int or a
+    allocated and no process group is needed. ``target`` may also be a Hugging Face weights directory
+    (what ``save_pretrained`` writes): its parameters come from the safetensors headers, in the files' dtypes
+    (:func:`~fsdp_strategy.estimator.target.weights_skeleton`); without the model's code no step is traced. With a ``budget`` (bytes per rank, an int or a
     string such as ``"80GiB"``) each world size gets the simplest strategy whose peak fits.
 
     With ``batch_size`` (samples per rank and forward) and either ``seq_len`` (the batch is ``(tokens,
@@ -129,8 +132,16 @@ def estimate(
     check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
     make_batch = _batch_factory(batch_size, seq_len, sample_batch, activation_checkpointing)
     checkpointing = normalize_policy(activation_checkpointing, option="activation_checkpointing")
-    cls = load_target(target)
-    model = build_on_meta(cls, init_args or {})
+    if is_weights_directory(target):
+        if make_batch is not None or init_args:
+            raise ValueError(
+                f"The Hugging Face weights '{target}' hold parameters, not the model's code: `batch_size` (a traced"
+                " step) and `init_args` need the module given as 'MODULE:Class'."
+            )
+        model = weights_skeleton(target)  # type: ignore[arg-type]
+    else:
+        cls = load_target(target)
+        model = build_on_meta(cls, init_args or {})
     rows, skipped = [], []
     for world_size in world_sizes:
         for strategy in strategies:
@@ -192,7 +203,7 @@ def estimate(
                 )
             )
     return EstimateReport(
-        model=class_name(model),
+        model=str(target) if is_weights_directory(target) else class_name(model),
         num_params=sum(p.numel() for p in unique_parameters(model)),
         precision=precision,
         optimizer=optimizer,

@@ -1,4 +1,5 @@
-"""A model class named on the command line as ``MODULE:Class`` (``fsdp-strategy estimate``, ``benchmark``)."""
+"""A model class named on the command line as ``MODULE:Class`` (``fsdp-strategy estimate``, ``benchmark``), or a
+Hugging Face weights directory, whose modules and parameters are read from the safetensors headers."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["load_function", "load_target"]
+from fsdp_strategy.checkpoint.pretrained import read_headers
+
+__all__ = ["load_function", "load_target", "weights_skeleton"]
 
 
 def _import(target: str) -> tuple[Any, str]:
@@ -63,3 +67,28 @@ def load_target(target: str | type[nn.Module]) -> type[nn.Module]:
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"{target!r} must name a torch.nn.Module subclass; it is {cls!r}.")
     return cls
+
+
+class WeightsModule(nn.Module):
+    """A module of a weights directory's tree: only parameters, no forward (a name's dotted parts are modules)."""
+
+
+def weights_skeleton(directory: str | os.PathLike) -> nn.Module:
+    """The modules and parameters a Hugging Face weights directory holds, on the meta device, from the safetensors
+    headers alone (no tensor data is read): each tensor a parameter of its name's shape and dtype, numbered parts
+    (``layers.0``) children of an ``nn.ModuleList``, so ``wrap_policy="auto"`` finds the repeated blocks.
+    A tied parameter the files leave out (``lm_head.weight``) is left out, as it is one parameter."""
+    root = WeightsModule()
+    for name, header in read_headers(directory).items():
+        *path, leaf = name.split(".")
+        module: nn.Module = root
+        for part, following in zip(path, [*path[1:], leaf]):
+            if part not in module._modules:
+                child = nn.ModuleList() if following.isdigit() else WeightsModule()
+                if part.isdigit():
+                    module.append(child)  # type: ignore[operator]
+                else:
+                    module.add_module(part, child)
+            module = module._modules[part]  # type: ignore[assignment]
+        module.register_parameter(leaf, nn.Parameter(torch.empty(header.shape, dtype=header.dtype, device="meta")))
+    return root

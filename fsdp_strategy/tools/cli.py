@@ -114,7 +114,12 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         " --seq-len (or --sample-batch) it runs one training_step and backward on fake tensors and the peak includes"
         " activations. With --budget it recommends the simplest setting that fits.",
     )
-    parser.add_argument("target", metavar="MODULE:Class", help="the LightningModule, e.g. examples.gpt:GPT")
+    parser.add_argument(
+        "target",
+        metavar="MODULE:Class",
+        help="the LightningModule, e.g. examples.gpt:GPT; or a Hugging Face weights directory (model.safetensors or"
+        " its index), whose parameters are read from the file headers",
+    )
     parser.add_argument("--init-args", metavar="JSON", help="constructor arguments, a JSON object")
     parser.add_argument("--world-sizes", default="1,2,4,8", help="comma-separated numbers of ranks (default: 1,2,4,8)")
     parser.add_argument("--precision", default="32-true", choices=ACCEPTED_PRECISIONS, help="default: 32-true")

@@ -1,0 +1,58 @@
+"""Pretrained Hugging Face weights streamed into shards (``init_weights`` = a ``save_pretrained`` directory): a tiny
+Llama with dimensions 2 and 4 ranks do not divide, saved as one file and as an index with several files, loaded
+under "fsdp2" with and without ``meta_init``. Right after setup its logits are those of ``from_pretrained`` in one
+process, and a few steps of training follow DDP started from ``from_pretrained``. The worker is
+``integration_tests/pretrained_worker.py``; both runs are one job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from integration_tests.conftest import max_relative_difference, torchrun
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize(
+    ("nproc", "max_shard_size", "meta_init"),
+    [(2, None, True), (4, "20KB", False), (4, "20KB", True)],
+    ids=["2-ranks-one-file-meta-init", "4-ranks-index-eager", "4-ranks-index-meta-init"],
+)
+def test_pretrained_weights_load_as_from_pretrained_and_train_as_ddp(
+    tmp_path: Path, nproc: int, max_shard_size: str | None, meta_init: bool
+) -> None:
+    from testkit.hf import UNEVEN_LLAMA
+    from testkit.models import token_loader
+
+    torch.manual_seed(11)
+    source = transformers.LlamaForCausalLM(transformers.LlamaConfig(**UNEVEN_LLAMA))
+    weights = tmp_path / "weights"
+    source.save_pretrained(weights, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    assert (weights / "model.safetensors.index.json").is_file() == (max_shard_size is not None)
+
+    out = tmp_path / "results.pt"
+    args = ["--weights", str(weights), "--steps", "3", "--out", str(out)] + (["--meta-init"] if meta_init else [])
+    torchrun("integration_tests.pretrained_worker", args, nproc=nproc, cwd=tmp_path)
+    results = torch.load(out)
+    fsdp2, ddp = results["fsdp2"], results["ddp"]
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(weights)
+    tokens = next(iter(token_loader(batch_size=4, samples=8)))[0]
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits
+    torch.testing.assert_close(fsdp2["logits"], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ddp["logits"], expected, rtol=1e-6, atol=1e-6)
+
+    # The shards were uneven: ranks read different numbers of rows (at 4 ranks the last reads none of the MLP).
+    rows = fsdp2["rows"]["model.model.embed_tokens.weight"]
+    assert [stop - start for start, stop in rows] == ([19, 18] if nproc == 2 else [10, 10, 10, 7])
+    if nproc == 4:
+        assert rows[-1] != rows[0]
+        assert fsdp2["rows"]["model.model.layers.0.mlp.gate_proj.weight"][-1] == (5, 5)
+
+    assert len(fsdp2["losses"]) == len(ddp["losses"]) == 3
+    torch.testing.assert_close(torch.stack(fsdp2["losses"]), torch.stack(ddp["losses"]), rtol=1e-5, atol=0)
+    assert max_relative_difference(fsdp2["params"], ddp["params"]) < 1e-5
