@@ -288,8 +288,9 @@ class FSDP2Strategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.step_hooks = step_hooks(
-            self.model, self.options, fitting=fitting, guard=self.guard, precision=self.precision_plugin,
-            device=self.root_device, host_group=self.processes.host_group(), gathered=self.sharding.gathered,
+            self.model, fitting=fitting, host_memory=self.options.host_memory, guard=self.guard,
+            precision=self.precision_plugin, device=self.root_device, host_group=self.processes.host_group(),
+            gathered=self.sharding.gathered,
         )  # fmt: skip
         self.setup_precision_plugin()
         whole = fitting and self.options.hook_view == HookView.WHOLE and isinstance(self.model, FSDPModule)

@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_strategy.options import HostMemory, Options
+from fsdp_strategy.modes import HostMemory
 from fsdp_strategy.step.buffer_sync import BufferSyncHook
 from fsdp_strategy.step.guard import GuardHook, NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHook, StepHooks
@@ -24,8 +24,8 @@ __all__ = ["step_hooks"]
 
 def step_hooks(
     model: nn.Module,
-    options: Options,
     *,
+    host_memory: HostMemory,
     fitting: bool,
     guard: NonFiniteGuard,
     precision: Precision,
@@ -39,7 +39,7 @@ def step_hooks(
         hooks.append(GuardHook(guard, device=device, precision=precision))
     if fitting:
         hooks.append(BufferSyncHook(model))
-    if options.host_memory == HostMemory.RELEASE:
+    if host_memory == HostMemory.RELEASE:
         hooks.append(ReleaseHook())
     if isinstance(model, FSDPModule):
         hooks.append(ShardedStepHook(model))
