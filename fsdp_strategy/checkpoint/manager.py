@@ -27,7 +27,6 @@ from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from fsdp_strategy.launch.rendezvous import on_rank_zero
 from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
-from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.sizes import format_bytes
 
@@ -78,8 +77,8 @@ class CheckpointManager:
         if self.format is None:  # a save before any setup (trainer.strategy.connect(model))
             model = self.strategy.model or self.strategy.lightning_module
             if model is None:
-                sharded = self.state_dict_type == StateDictType.SHARDED
-                return CheckpointFormat.SHARDED if sharded else CheckpointFormat.FULL
+                auto = self.state_dict_type == StateDictType.AUTO
+                return CheckpointFormat.FULL if auto else CheckpointFormat(self.state_dict_type.value)
             self.format = self._choose_format(model)
         return self.format
 
@@ -206,7 +205,7 @@ class CheckpointManager:
         # values yet gets them in setup(), once it is sharded and materialized.
         module = self.strategy.lightning_module
         assert module is not None
-        if self.restore is not None and has_meta_tensors(module):
+        if self.restore is not None and self.restore.format.loads_model_after_sharding(module):
             self.restore.model_state, self.restore.strict = checkpoint.get("state_dict"), strict
             return
         if "state_dict" not in checkpoint:
@@ -235,8 +234,10 @@ class CheckpointManager:
 
     def init_weights_loader(self) -> Callable[[nn.Module], None] | None:
         """What loads ``init_weights`` into the sharded module; ``None`` without them or when a checkpoint to
-        resume from, which wins, is being loaded."""
-        return None if self.init_weights is None or self.restoring else self._load_init_weights
+        resume from, which wins, is being loaded (unless it holds no frozen parameters: they come from them)."""
+        if self.init_weights is None or (self.restore is not None and self.restore.format.holds_frozen):
+            return None
+        return self._load_init_weights
 
     def _load_init_weights(self, model: nn.Module) -> None:
         path, strategy = self.init_weights, self.strategy
