@@ -24,6 +24,7 @@ from fsdp_strategy import host_memory
 from fsdp_strategy.checkpoint import background, saving, state_dicts
 from fsdp_strategy.checkpoint.formats import FullFormat, SavedFormat, format_named, saved_format
 from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.peft_record import PEFT_KEY, peft_record
 from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from fsdp_strategy.launch.rendezvous import on_rank_zero
 from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
@@ -140,6 +141,9 @@ class CheckpointManager:
         Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
         strategy, saved_as = self.strategy, self.saved_as
         saved_as.check_save(storage_options)
+        record = None if strategy.lightning_module is None else peft_record(strategy.lightning_module)
+        if record is not None:  # the adapters' configs and names, for the PEFT export from any checkpoint of the run
+            checkpoint = {**checkpoint, PEFT_KEY: record}
         self.wait()
         where = location_of(strategy.broadcast(str(filepath)))
         token = strategy.broadcast(staging_token())
