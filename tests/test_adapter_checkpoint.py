@@ -5,6 +5,8 @@ base than the one trained on is refused, naming both."""
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from fsdp_strategy import CheckpointError, FSDP2Strategy
+from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.formats import AdapterFormat, saved_format
 from fsdp_strategy.checkpoint.storage import checkpoint_files
@@ -59,17 +62,27 @@ def trainer(root: Path, strategy: FSDP2Strategy, *, steps: int, callbacks: list 
     )
 
 
-def train_and_save(root: Path, kind: str, *, freeze: bool = True, init_weights: str | None = None) -> Path:
+def train_and_save(
+    root: Path,
+    kind: str,
+    *,
+    freeze: bool = True,
+    init_weights: str | None = None,
+    path: Path | str | None = None,
+    async_save: bool = False,
+) -> Path | str:
     torch.manual_seed(0)
     model = FrozenBaseLM(freeze)
-    fit = trainer(root, FSDP2Strategy(state_dict_type=kind, init_weights=init_weights), steps=2)
+    strategy = FSDP2Strategy(state_dict_type=kind, init_weights=init_weights, async_save=async_save)
+    fit = trainer(root, strategy, steps=2)
     fit.fit(model, token_loader(batch_size=4, samples=16))
-    path = root / f"{kind}.ckpt"
+    path = root / f"{kind}.ckpt" if path is None else path
     fit.save_checkpoint(path)
+    strategy.wait_for_checkpoint()
     return path
 
 
-def resume(root: Path, path: Path, *, seed: int = 0, init_weights: str | None = None) -> StartState:
+def resume(root: Path, path: Path | str, *, seed: int = 0, init_weights: str | None = None) -> StartState:
     start = StartState()
     torch.manual_seed(seed)  # seed 0 builds the base the run was trained on
     model = FrozenBaseLM()
@@ -164,3 +177,28 @@ def test_without_frozen_parameters_an_adapter_checkpoint_holds_every_parameter(t
     sharded = train_and_save(tmp_path, "sharded", freeze=False)
     assert saved_model_keys(adapter) == saved_model_keys(sharded)
     assert json.loads((adapter / "adapter.json").read_text())["frozen"] == {}
+
+
+def test_an_adapter_checkpoint_saved_to_a_url_in_the_background_resumes_as_a_sharded_one(trainer_env, tmp_path) -> None:
+    url = f"memory://adapter-{uuid.uuid4().hex[:8]}/adapter.ckpt"
+    try:
+        train_and_save(tmp_path, "adapter", path=url, async_save=True)
+        assert saved_format(url) is AdapterFormat
+        trainer_env.fresh()
+        sharded = train_and_save(tmp_path, "sharded")
+        trainer_env.fresh()
+        from_url = resume(tmp_path, url)
+        trainer_env.fresh()
+        assert_same_start(from_url, resume(tmp_path, sharded))
+    finally:
+        storage.remove_data(url)
+
+
+def test_the_first_save_says_what_adapter_checkpoints_hold(trainer_env, tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    train_and_save(tmp_path, "adapter")
+    module = FrozenBaseLM()
+    total = sum(p.numel() for p in module.parameters())
+    kept = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    told = f"adapter checkpoints hold {kept:,} of the {total:,} parameters ({kept / total:.2%}) and their optimizer"
+    assert told in caplog.text

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy import FSDP2Strategy, consolidate_checkpoint
 from fsdp_strategy.tools.cli import main
 from fsdp_strategy.tools.export_peft import export_peft
 from testkit.hf import LoraLlama, save_tiny_llama
@@ -83,3 +83,16 @@ def test_an_existing_adapter_is_kept_unless_overwrite(trainer_env, tmp_path) -> 
         export_peft(path, tmp_path / "out", progress=False)
     summary = export_peft(path, tmp_path / "out", progress=False, overwrite=True)
     assert summary.adapters == ["default"] and summary.tensors == 8
+
+
+def test_the_options_of_other_formats_are_refused_naming_them(tmp_path, capsys) -> None:
+    assert main(["consolidate", "--format", "peft", "--max-shard-size", "1GB", "x.ckpt", str(tmp_path / "out")]) == 2
+    assert "--max-shard-size is an option of --format safetensors; got '1GB' with --format peft" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(
+        ValueError, match="`config_from` is an option of format='safetensors'; got 'c' with format='peft'"
+    ):
+        consolidate_checkpoint("x.ckpt", tmp_path / "out", format="peft", config_from="c")
+    with pytest.raises(ValueError, match="`format` must be 'lightning' .*, 'safetensors' or 'peft'; got 'lora'"):
+        consolidate_checkpoint("x.ckpt", tmp_path / "out", format="lora")

@@ -53,12 +53,9 @@ class AdapterFormat(ShardedFormat):
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         frozen = frozen_parameters(model, plain_optimizers(self.strategy.optimizers))
         self.record = BaseRecord(frozen, None if self.init_weights is None else str(self.init_weights))
-        if not frozen and not self._told:
+        if not self._told:  # once per stage: what the first save leaves out, and what it holds
             self._told = True
-            rank_zero_info(
-                f"{type(self.strategy).__name__}: the module has no frozen parameters, so its adapter checkpoints"
-                ' (state_dict_type="adapter") hold every parameter, as sharded ones do.'
-            )
+            rank_zero_info(_summary(model, frozen, strategy=type(self.strategy).__name__))
         state = state_dicts.model_state(model, full=False)
         return {name: value for name, value in state.items() if name not in frozen}
 
@@ -141,3 +138,18 @@ class AdapterFormat(ShardedFormat):
 def _hashed(record: BaseRecord) -> BaseRecord:
     assert record.init_weights is not None
     return BaseRecord(record.frozen, record.init_weights, weights_hash(record.init_weights))
+
+
+def _summary(model: nn.Module, frozen: dict[str, Any], *, strategy: str) -> str:
+    if not frozen:
+        return (
+            f"{strategy}: the module has no frozen parameters, so its adapter checkpoints"
+            ' (state_dict_type="adapter") hold every parameter, as sharded ones do.'
+        )
+    left_out = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in frozen}
+    total = sum(p.numel() for p in model.parameters())  # each tied parameter once
+    kept = sum(p.numel() for p in model.parameters() if id(p) not in left_out)
+    return (
+        f"{strategy}: adapter checkpoints hold {kept:,} of the {total:,} parameters ({kept / total:.2%}) and their"
+        " optimizer states; the frozen ones left out come from the module as built or `init_weights` at a resume."
+    )
