@@ -98,6 +98,7 @@ class CheckpointManager:
         saving.check_checkpoint_io(
             self.strategy.checkpoint_io,
             sharded=not self.saved_as.single_file,
+            state_dict_type=self.saved_as.name,
             async_save=self.async_save,
             strategy=self.name,
         )
