@@ -96,3 +96,17 @@ def test_the_options_of_other_formats_are_refused_naming_them(tmp_path, capsys) 
         consolidate_checkpoint("x.ckpt", tmp_path / "out", format="peft", config_from="c")
     with pytest.raises(ValueError, match="`format` must be 'lightning' .*, 'safetensors' or 'peft'; got 'lora'"):
         consolidate_checkpoint("x.ckpt", tmp_path / "out", format="lora")
+
+
+class OwnConfigLM(TinyLM):
+    """A module that keeps a plain dict of its own under the name peft uses (to build adapters later, say)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=1)
+        self.peft_config = {"r": 8, "target_modules": ["q_proj"]}
+
+
+def test_a_peft_config_that_is_not_peft_s_is_no_peft_model(trainer_env, tmp_path) -> None:
+    path = train(tmp_path, "sharded", OwnConfigLM())  # saved: nothing taken for adapters
+    with pytest.raises(ValueError, match="records no peft adapters"):
+        export_peft(path, tmp_path / "out", progress=False)

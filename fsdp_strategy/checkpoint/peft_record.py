@@ -14,6 +14,7 @@ import copy
 import json
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 __all__ = ["PEFT_KEY", "peft_record"]
@@ -27,31 +28,46 @@ def peft_record(module: nn.Module) -> dict[str, Any] | None:
     with adapters added); ``None`` when there is none."""
     found: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
-        holds = isinstance(getattr(child, "peft_config", None), dict)
-        if holds and not any(name.startswith(outer) for outer, _ in found):
+        if _holds_adapters(child) and not any(name.startswith(outer) for outer, _ in found):
             found.append((f"{name}." if name else "", child))
     if not found:
         return None
-    from peft import get_peft_model_state_dict
-
     state = nn.Module.state_dict(module)
     record: dict[str, Any] = {}
     for prefix, peft_module in found:
-        # A stand-in of its own for each entry (a view of the tensor: no copy, no gather): the entries peft returns
-        # are found by identity, whatever names peft gives them.
-        stand_ins = {key[len(prefix) :]: value.detach() for key, value in state.items() if key.startswith(prefix)}
-        keys = {id(value): prefix + key for key, value in stand_ins.items()}
-        adapters = {}
-        for adapter, config in peft_module.peft_config.items():
-            # save_embedding_layers=False: "auto" would look the base model up on the Hugging Face Hub at each save.
-            picked = get_peft_model_state_dict(
-                peft_module, state_dict=stand_ins, adapter_name=adapter, save_embedding_layers=False
+        try:
+            record[prefix] = _adapters(peft_module, prefix, state)
+        except Exception as error:  # noqa: BLE001  (a record that cannot be made must not fail the save)
+            rank_zero_warn(
+                f"The checkpoints of this run hold no record of the peft adapters of '{prefix.rstrip('.')}', so"
+                f" `fsdp-strategy consolidate --format peft` cannot export them: {type(error).__name__}: {error}"
             )
-            weights = {keys[id(value)]: name for name, value in picked.items() if id(value) in keys}
-            unsupported = len(weights) != len(picked)  # entries peft made itself (prompt learning's embeddings)
-            adapters[adapter] = {"config": _config(config, peft_module), "weights": None if unsupported else weights}
-        record[prefix] = adapters
-    return record
+    return record or None
+
+
+def _holds_adapters(module: nn.Module) -> bool:
+    configs = getattr(module, "peft_config", None)  # peft's configs by adapter name
+    return isinstance(configs, dict) and bool(configs) and all(hasattr(c, "peft_type") for c in configs.values())
+
+
+def _adapters(peft_module: nn.Module, prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    """Each adapter's config and its tensors' names (``None`` where peft saves tensors not in the module's state)."""
+    from peft import get_peft_model_state_dict
+
+    # A stand-in of its own for each entry (a view of the tensor: no copy, no gather): the entries peft returns are
+    # found by identity, whatever names peft gives them.
+    stand_ins = {key[len(prefix) :]: value.detach() for key, value in state.items() if key.startswith(prefix)}
+    keys = {id(value): prefix + key for key, value in stand_ins.items()}
+    adapters = {}
+    for adapter, config in peft_module.peft_config.items():
+        # save_embedding_layers=False: "auto" would look the base model up on the Hugging Face Hub at each save.
+        picked = get_peft_model_state_dict(
+            peft_module, state_dict=stand_ins, adapter_name=adapter, save_embedding_layers=False
+        )
+        weights = {keys[id(value)]: name for name, value in picked.items() if id(value) in keys}
+        unsupported = len(weights) != len(picked)  # entries peft made itself (prompt learning's embeddings)
+        adapters[adapter] = {"config": _config(config, peft_module), "weights": None if unsupported else weights}
+    return adapters
 
 
 def _config(config: Any, peft_module: nn.Module) -> dict[str, Any]:

@@ -53,7 +53,7 @@ class AdapterFormat(ShardedFormat):
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         frozen = frozen_parameters(model, plain_optimizers(self.strategy.optimizers))
         self.record = BaseRecord(frozen, None if self.init_weights is None else str(self.init_weights))
-        if not self._told:  # once per stage: what the first save leaves out, and what it holds
+        if not self._told:  # at the first save of the strategy: what it leaves out, and what it holds
             self._told = True
             rank_zero_info(_summary(model, frozen, strategy=type(self.strategy).__name__))
         state = state_dicts.model_state(model, full=False)
