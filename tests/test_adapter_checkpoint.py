@@ -127,6 +127,16 @@ def test_an_adapter_checkpoint_leaves_out_the_frozen_parameters_and_resumes_as_a
     assert_same_start(from_adapter, from_sharded)
 
 
+def test_a_resume_from_an_adapter_checkpoint_is_a_resume_from_a_full_one(trainer_env, tmp_path) -> None:
+    adapter = train_and_save(tmp_path, "adapter")
+    trainer_env.fresh()
+    one_file = train_and_save(tmp_path, "full")
+    trainer_env.fresh()
+    from_adapter = resume(tmp_path, adapter)
+    trainer_env.fresh()
+    assert_same_start(from_adapter, resume(tmp_path, one_file))
+
+
 def test_the_frozen_parameters_come_from_init_weights_checked_by_content(trainer_env, tmp_path) -> None:
     torch.manual_seed(5)
     base = tmp_path / "base.pt"
