@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fsdp_strategy.checkpoint.errors import CheckpointError, damaged
 from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.checkpoint.storage import CheckpointFiles, read_checkpoint_file
 
-__all__ = ["RECORD_NAME", "BaseRecord", "check_base", "frozen_parameters", "weights_hash"]
+__all__ = ["RECORD_NAME", "BaseRecord", "check_base", "frozen_parameters", "value_moments", "weights_hash"]
 
 RECORD_NAME = "adapter.json"
 _FORMAT = "fsdp_strategy/adapter-checkpoint"
@@ -39,9 +42,12 @@ class BaseRecord:
     frozen: dict[str, tuple[tuple[int, ...], str]]
     init_weights: str | None = None
     sha256: str | None = None
+    moments: dict[str, tuple[float, float]] = field(default_factory=dict)  # the values' sum and sum of squares
 
     def to_json(self) -> bytes:
         frozen = {name: {"shape": list(shape), "dtype": dtype} for name, (shape, dtype) in self.frozen.items()}
+        for name, (total, squares) in self.moments.items():
+            frozen[name].update(sum=total, sum_of_squares=squares)
         base = None if self.init_weights is None else {"path": self.init_weights, "sha256": self.sha256}
         record = {"format": _FORMAT, "init_weights": base, "frozen": frozen}
         return json.dumps(record, indent=2).encode() + b"\n"
@@ -54,9 +60,12 @@ class BaseRecord:
             record = json.loads(data)
             if record.get("format") != _FORMAT:
                 raise ValueError(f"its 'format' is {record.get('format')!r}, not {_FORMAT!r}")
-            frozen = {name: (tuple(entry["shape"]), entry["dtype"]) for name, entry in record["frozen"].items()}
+            entries = record["frozen"].items()
+            frozen = {name: (tuple(entry["shape"]), entry["dtype"]) for name, entry in entries}
+            moments = {name: (float(e["sum"]), float(e["sum_of_squares"])) for name, e in entries if "sum" in e}
             base = record["init_weights"]
-            return cls(frozen, None if base is None else base["path"], None if base is None else base["sha256"])
+            path, sha256 = (None, None) if base is None else (base["path"], base["sha256"])
+            return cls(frozen, path, sha256, moments)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             detail = f"'{RECORD_NAME}' is not the record of an adapter checkpoint ({type(error).__name__}: {error})."
             raise damaged(files.name, RECORD_NAME, detail) from error
@@ -74,6 +83,28 @@ def frozen_parameters(model: nn.Module, optimizers: Iterable[Optimizer]) -> dict
     }
 
 
+def value_moments(model: nn.Module, names: Iterable[str], dtypes: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """The sum and the sum of squares (in float64) of the values of the parameters ``names`` of ``model``, each cast
+    to its dtype in ``dtypes`` first (as the record names it): a fingerprint of the frozen base that the shards give
+    as the whole tensors do, to within float64 rounding. A collective per sharded parameter: every rank calls it."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    moments = {}
+    for name in names:
+        values = parameters[name].detach().to(getattr(torch, dtypes[name])).to(torch.float64)
+        total, squares = values.sum(), (values * values).sum()
+        if isinstance(values, DTensor):
+            total, squares = total.full_tensor(), squares.full_tensor()
+        moments[name] = (float(total), float(squares))
+    return moments
+
+
+def _same_values(saved: tuple[float, float], built: tuple[float, float], count: int) -> bool:
+    # float64 sums of the same values in other orders (shards, then ranks) differ by rounding only: far below 1e-7 of
+    # their scale, which any other values of the weights exceed.
+    scale = math.sqrt(max(count, 1) * max(saved[1], built[1], 1e-30))
+    return abs(saved[0] - built[0]) <= 1e-7 * scale and math.isclose(saved[1], built[1], rel_tol=1e-7, abs_tol=1e-30)
+
+
 def weights_hash(path: Path | str) -> str:
     """The SHA-256 of the bytes of the weights file ``path`` (a local path or a URL), hashed once per process."""
     where = location_of(path)
@@ -87,12 +118,11 @@ def weights_hash(path: Path | str) -> str:
     return _hashes[key]
 
 
-def check_base(
-    record: BaseRecord, init_weights: Path | str | None, module_shapes: dict[str, Any], *, checkpoint: Any
-) -> None:
+def check_base(record: BaseRecord, init_weights: Path | str | None, module: nn.Module, *, checkpoint: Any) -> None:
     """Refuses to resume from an adapter checkpoint onto another base than it was trained on: other ``init_weights``
-    (by content), or a module whose frozen parameters are missing or of other shapes (``module_shapes``: the
-    module's parameter shapes by name)."""
+    (by content), or a module (whole, before sharding) whose frozen parameters are missing, of other shapes, or
+    (without ``init_weights``, where it was built with values) of other values than those the run saved beside."""
+    module_shapes = {name: tuple(p.shape) for name, p in module.named_parameters(remove_duplicate=False)}
     given = None if init_weights is None else str(init_weights)
     if record.init_weights is not None or given is not None:
         current = None if given is None else weights_hash(given)
@@ -119,6 +149,27 @@ def check_base(
             f"The adapter checkpoint '{checkpoint}' was trained on a base whose frozen parameter '{name}' had shape"
             f" {record.frozen[name][0]}; it {found} ({len(missing)} missing, {len(reshaped)} of other shapes): build"
             " the module it was trained on.",
+            checkpoint=checkpoint,
+            file=RECORD_NAME,
+        )
+    parameters = dict(module.named_parameters(remove_duplicate=False))
+    if given is not None or any(
+        parameters[name].is_meta or isinstance(parameters[name], DTensor) for name in record.moments
+    ):
+        # The values come from `init_weights` (checked above), are not there yet (built without values), or are the
+        # shards an earlier stage left (whose collectives rank 0 cannot run alone).
+        return
+    dtypes = {name: dtype for name, (_, dtype) in record.frozen.items()}
+    built = value_moments(module, record.moments, dtypes)
+    other = [
+        name for name, saved in record.moments.items() if not _same_values(saved, built[name], parameters[name].numel())
+    ]
+    if other:
+        raise CheckpointError(
+            f"The adapter checkpoint '{checkpoint}' was trained on a base whose frozen parameter '{other[0]}' had other"
+            f" values than the module built for this resume has ({len(other)} of {len(record.moments)} frozen"
+            " parameters differ, by the sums of their values that the checkpoint records): build the module from the"
+            " weights it was trained on, or pass them as `init_weights`.",
             checkpoint=checkpoint,
             file=RECORD_NAME,
         )

@@ -12,19 +12,29 @@ A module without frozen parameters saves them all: the checkpoint is then a shar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from fsdp_strategy.checkpoint import saving, state_dicts, storage, verify, writing
-from fsdp_strategy.checkpoint.adapter_base import RECORD_NAME, BaseRecord, check_base, frozen_parameters, weights_hash
+from fsdp_strategy.checkpoint.adapter_base import (
+    RECORD_NAME,
+    BaseRecord,
+    check_base,
+    frozen_parameters,
+    value_moments,
+    weights_hash,
+)
 from fsdp_strategy.checkpoint.background import BackgroundSave
 from fsdp_strategy.checkpoint.errors import CheckpointError
 from fsdp_strategy.checkpoint.formats.sharded import ShardedFormat
 from fsdp_strategy.checkpoint.location import Location
 from fsdp_strategy.launch.rendezvous import on_rank_zero
 from fsdp_strategy.sharding.unshard import plain_optimizers
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
 
 __all__ = ["AdapterFormat"]
 
@@ -36,6 +46,10 @@ class AdapterFormat(ShardedFormat):
 
     record: BaseRecord | None = None  # of the checkpoint loaded, or of the state taken for the next save
     _told: bool = False
+
+    def __init__(self, strategy: ParallelStrategy) -> None:
+        super().__init__(strategy)
+        self._moments: dict[str, tuple[float, float]] = {}  # of the frozen parameters, which do not change
 
     @classmethod
     def holds(cls, where: Location) -> bool:
@@ -52,7 +66,12 @@ class AdapterFormat(ShardedFormat):
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         frozen = frozen_parameters(model, plain_optimizers(self.strategy.optimizers))
-        self.record = BaseRecord(frozen, None if self.init_weights is None else str(self.init_weights))
+        moments = {}
+        if self.init_weights is None:  # the values come from the module as built: a fingerprint of them, once
+            dtypes = {name: dtype for name, (_, dtype) in frozen.items()}
+            self._moments.update(value_moments(model, [n for n in frozen if n not in self._moments], dtypes))
+            moments = {name: self._moments[name] for name in frozen}
+        self.record = BaseRecord(frozen, None if self.init_weights is None else str(self.init_weights), None, moments)
         if not self._told:  # at the first save of the strategy: what it leaves out, and what it holds
             self._told = True
             rank_zero_info(_summary(model, frozen, strategy=type(self.strategy).__name__))
@@ -106,13 +125,12 @@ class AdapterFormat(ShardedFormat):
         strategy, module = self.strategy, self.strategy.lightning_module
         assert module is not None
         trusted = weights_only is False
-        shapes = {name: tuple(p.shape) for name, p in module.named_parameters(remove_duplicate=False)}
 
         def check() -> tuple[str, BaseRecord]:
             files = storage.checkpoint_files(where)
             verify.verify_sharded_checkpoint(files, weights_only=not trusted)
             record = BaseRecord.read(files)
-            check_base(record, self.init_weights, shapes, checkpoint=files.name)
+            check_base(record, self.init_weights, module, checkpoint=files.name)
             return str(files.source), record
 
         # Rank 0 checks the files and the base before any rank reads one; a refusal is raised on every rank.
@@ -137,7 +155,7 @@ class AdapterFormat(ShardedFormat):
 
 def _hashed(record: BaseRecord) -> BaseRecord:
     assert record.init_weights is not None
-    return BaseRecord(record.frozen, record.init_weights, weights_hash(record.init_weights))
+    return BaseRecord(record.frozen, record.init_weights, weights_hash(record.init_weights), record.moments)
 
 
 def _summary(model: nn.Module, frozen: dict[str, Any], *, strategy: str) -> str:
