@@ -1,10 +1,11 @@
 """What an adapter checkpoint records of the base its frozen parameters come from: ``adapter.json`` in the checkpoint
 directory, plain JSON (read without unpickling anything), which also tells the format apart from a sharded one.
 
-It names each frozen parameter left out (shape and dtype), and the ``init_weights`` file the run started from with
-the SHA-256 of its bytes. The bytes, not a header and sizes: a base fine-tuned further keeps its names, shapes and
-sizes, and only its values tell it apart, which is what a resume must not mix up. Hashing is one sequential read of
-the file, once per file and process (rank 0), at the first save and at a resume.
+It names each frozen parameter left out (shape and dtype, and where the values come from the module as built, the
+float64 sum and sum of squares of its values, taken once per run), and the ``init_weights`` file the run started
+from with the SHA-256 of its bytes. The bytes, not a header and sizes: a base fine-tuned further keeps its names,
+shapes and sizes, and only its values tell it apart, which is what a resume must not mix up. Hashing is one
+sequential read of the file, once per file and process (rank 0), at the first save and at a resume.
 """
 
 from __future__ import annotations
