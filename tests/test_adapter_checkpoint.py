@@ -82,11 +82,14 @@ def train_and_save(
     return path
 
 
-def resume(root: Path, path: Path | str, *, seed: int = 0, init_weights: str | None = None) -> StartState:
+def resume(
+    root: Path, path: Path | str, *, seed: int = 0, init_weights: str | None = None, empty_init: bool = False
+) -> StartState:
     start = StartState()
-    torch.manual_seed(seed)  # seed 0 builds the base the run was trained on
-    model = FrozenBaseLM()
     fit = trainer(root, FSDP2Strategy(init_weights=init_weights), steps=3, callbacks=[start])
+    torch.manual_seed(seed)  # seed 0 builds the base the run was trained on
+    with fit.init_module(empty_init=empty_init):
+        model = FrozenBaseLM()
     fit.fit(model, token_loader(batch_size=4, samples=16), ckpt_path=path)
     return start
 
@@ -139,6 +142,29 @@ def test_a_resume_from_an_adapter_checkpoint_is_a_resume_from_a_full_one(trainer
     from_adapter = resume(tmp_path, adapter)
     trainer_env.fresh()
     assert_same_start(from_adapter, resume(tmp_path, one_file))
+
+
+def test_a_module_built_without_values_resumes_from_an_adapter_checkpoint_with_its_base_as_init_weights(
+    trainer_env, tmp_path
+) -> None:
+    base = tmp_path / "base.pt"
+    torch.manual_seed(5)
+    torch.save(FrozenBaseLM().state_dict(), base)
+    adapter = train_and_save(tmp_path, "adapter", init_weights=str(base))
+    trainer_env.fresh()
+    eager = resume(tmp_path, adapter, init_weights=str(base))
+    trainer_env.fresh()
+    assert_same_start(resume(tmp_path, adapter, init_weights=str(base), empty_init=True), eager)
+
+    # Without them its frozen parameters would get new random values at materialization, not the base's.
+    without = train_and_save(tmp_path, "adapter", path=tmp_path / "without.ckpt")
+    trainer_env.fresh()
+    with pytest.raises(
+        CheckpointError,
+        match=r"had other values than the module built for this resume has .*"
+        r"built without values, with `meta_init` or `init_module\(empty_init=True\)`, draws new",
+    ):
+        resume(tmp_path, without, empty_init=True)
 
 
 def test_the_frozen_parameters_come_from_init_weights_checked_by_content(trainer_env, tmp_path) -> None:

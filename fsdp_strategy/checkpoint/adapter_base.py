@@ -27,7 +27,15 @@ from fsdp_strategy.checkpoint.errors import CheckpointError, damaged
 from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.checkpoint.storage import CheckpointFiles, read_checkpoint_file
 
-__all__ = ["RECORD_NAME", "BaseRecord", "check_base", "frozen_parameters", "value_moments", "weights_hash"]
+__all__ = [
+    "RECORD_NAME",
+    "BaseRecord",
+    "check_base",
+    "check_values",
+    "frozen_parameters",
+    "value_moments",
+    "weights_hash",
+]
 
 RECORD_NAME = "adapter.json"
 _FORMAT = "fsdp_strategy/adapter-checkpoint"
@@ -154,23 +162,30 @@ def check_base(record: BaseRecord, init_weights: Path | str | None, module: nn.M
             file=RECORD_NAME,
         )
     parameters = dict(module.named_parameters(remove_duplicate=False))
-    if given is not None or any(
+    if given is None and not any(
         parameters[name].is_meta or isinstance(parameters[name], DTensor) for name in record.moments
     ):
-        # The values come from `init_weights` (checked above), are not there yet (built without values), or are the
-        # shards an earlier stage left (whose collectives rank 0 cannot run alone).
+        # Built with values: checked now. Without values, or the shards an earlier stage left (whose collectives rank
+        # 0 cannot run alone): once sharded (check_values on every rank). From `init_weights`: by their hash above.
+        check_values(record, module, checkpoint=checkpoint)
+
+
+def check_values(record: BaseRecord, module: nn.Module, *, checkpoint: Any) -> None:
+    """Refuses a module whose frozen parameters hold other values than those the adapter checkpoint was trained on,
+    by the sums the record holds (:func:`value_moments`; sharded, every rank calls it)."""
+    if not record.moments:
         return
     dtypes = {name: dtype for name, (_, dtype) in record.frozen.items()}
+    counts = {name: p.numel() for name, p in module.named_parameters(remove_duplicate=False)}
     built = value_moments(module, record.moments, dtypes)
-    other = [
-        name for name, saved in record.moments.items() if not _same_values(saved, built[name], parameters[name].numel())
-    ]
+    other = [name for name, saved in record.moments.items() if not _same_values(saved, built[name], counts[name])]
     if other:
         raise CheckpointError(
             f"The adapter checkpoint '{checkpoint}' was trained on a base whose frozen parameter '{other[0]}' had other"
             f" values than the module built for this resume has ({len(other)} of {len(record.moments)} frozen"
             " parameters differ, by the sums of their values that the checkpoint records): build the module from the"
-            " weights it was trained on, or pass them as `init_weights`.",
+            " weights it was trained on, or pass them as `init_weights` (a module built without values, with"
+            " `meta_init` or `init_module(empty_init=True)`, draws new values for them).",
             checkpoint=checkpoint,
             file=RECORD_NAME,
         )

@@ -22,6 +22,7 @@ from fsdp_strategy.checkpoint.adapter_base import (
     RECORD_NAME,
     BaseRecord,
     check_base,
+    check_values,
     frozen_parameters,
     value_moments,
     weights_hash,
@@ -149,8 +150,11 @@ class AdapterFormat(ShardedFormat):
         return checkpoint
 
     def load_model_after_sharding(self, module: nn.Module, *, strict: bool) -> None:
-        if self.files is not None and self.record is not None:
-            state_dicts.load_sharded_model(self.files, module, strict=strict, leave_out=self.record.frozen)
+        if self.files is None or self.record is None:
+            return
+        if self.init_weights is None:  # a module built without values: its frozen parameters' values are new now
+            check_values(self.record, module, checkpoint=self.files.name)
+        state_dicts.load_sharded_model(self.files, module, strict=strict, leave_out=self.record.frozen)
 
 
 def _hashed(record: BaseRecord) -> BaseRecord:
