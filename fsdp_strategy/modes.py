@@ -22,6 +22,7 @@ class StateDictType(_Mode):
     AUTO = "auto"  # "full" while rank 0 can hold the whole state, decided when the model is set up
     SHARDED = "sharded"
     FULL = "full"
+    ADAPTER = "adapter"  # a sharded checkpoint without the frozen parameters
 
 
 class CheckpointFormat(_Mode):
@@ -29,6 +30,7 @@ class CheckpointFormat(_Mode):
 
     SHARDED = "sharded"  # a Distributed Checkpoint directory
     FULL = "full"  # one Lightning checkpoint file
+    ADAPTER = "adapter"  # a Distributed Checkpoint directory of what training changes, and a record of the base
 
 
 class NonFiniteGrads(_Mode):

@@ -271,7 +271,9 @@ class Options:
         default="auto",
         check=partial(_mode, modes=StateDictType),
         help='`"full"`: one Lightning checkpoint file, as DDP writes; `"sharded"`: a Distributed Checkpoint'
-        ' directory; `"auto"`: full while rank 0 holds the whole state with room to spare, sharded beyond',
+        ' directory; `"auto"`: full while rank 0 holds the whole state with room to spare, sharded beyond;'
+        ' `"adapter"`: sharded, without the frozen parameters (a LoRA run saves its adapters and their optimizer'
+        ' state); see "Adapter checkpoints"',
     )
     async_save: bool = _option(
         accepts=bool,

@@ -9,7 +9,7 @@ from lightning import LightningModule
 
 from testkit.models import VOCAB
 
-__all__ = ["TINY_LLAMA", "UNEVEN_LLAMA", "PretrainedLlama", "TinyLlama"]
+__all__ = ["TINY_LLAMA", "UNEVEN_LLAMA", "LoraLlama", "PretrainedLlama", "TinyLlama", "save_tiny_llama"]
 
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -83,3 +83,36 @@ class PretrainedLlama(LightningModule):
     forward = TinyLlama.forward
     training_step = TinyLlama.training_step
     configure_optimizers = TinyLlama.configure_optimizers
+
+
+def save_tiny_llama(folder: str, seed: int = 0) -> str:
+    """A tiny Llama's weights and config, as ``save_pretrained`` writes them: the base a fine-tuning run starts from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(folder)
+    return folder
+
+
+class LoraLlama(LightningModule):
+    """A LoRA fine-tuning recipe: the base from ``from_pretrained``, peft's adapters on the attention projections
+    (rank 3: shards of 2/1 rows on 2 ranks, 1/1/1/0 on 4), an optimizer of the trainable parameters."""
+
+    def __init__(self, base: str, lr: float = 1e-2) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        self.save_hyperparameters()
+        lora = LoraConfig(r=3, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        self.model = get_peft_model(LlamaForCausalLM.from_pretrained(base), lora)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        return torch.nn.functional.cross_entropy(self(tokens).flatten(0, 1).float(), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)

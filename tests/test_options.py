@@ -37,7 +37,7 @@ def test_plain_values_become_the_forms_the_strategy_uses(tmp_path):
 
 # What a save writes under each accepted value; "auto" writes one file when the full state fits in a quarter of rank
 # 0's free host memory, as this model's does.
-_WRITES = {"auto": "file", "full": "file", "sharded": "directory"}
+_WRITES = {"auto": "file", "full": "file", "sharded": "directory", "adapter": "directory"}
 
 
 @pytest.mark.parametrize("state_dict_type", [mode.value for mode in StateDictType])

@@ -392,13 +392,14 @@ def test_a_last_background_save_that_fails_is_raised_and_the_stage_still_lets_go
     assert not (directory / "epoch=0-step=2.ckpt").exists()
 
 
-def test_a_checkpoint_io_plugin_that_cannot_write_shards_is_refused_before_training(trainer_env, tmp_path):
+@pytest.mark.parametrize("kind", ["sharded", "adapter"])
+def test_a_checkpoint_io_plugin_that_cannot_write_shards_is_refused_before_training(trainer_env, tmp_path, kind):
     message = (
         "The CheckpointIO plugin RecordingIO saves single checkpoint files, and FSDP2Strategy saves a directory of"
-        " shards (`state_dict_type='sharded'`) that it cannot write. Pass `FSDP2Strategy(state_dict_type=\"full\")` to"
+        f" shards (`state_dict_type='{kind}'`) that it cannot write. Pass `FSDP2Strategy(state_dict_type=\"full\")` to"
         " save one file per checkpoint through RecordingIO, as DDP does, or remove the plugin."
     )
-    run = trainer(tmp_path, strategy=FSDP2Strategy(state_dict_type="sharded"), plugins=[RecordingIO()], max_steps=2)
+    run = trainer(tmp_path, strategy=FSDP2Strategy(state_dict_type=kind), plugins=[RecordingIO()], max_steps=2)
     with pytest.raises(ValueError, match=re.escape(message)):
         run.fit(TinyLM(), token_loader(batch_size=4, samples=16))
     assert run.global_step == 0

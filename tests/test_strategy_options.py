@@ -121,12 +121,12 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         (
             {"state_dict_type": "zip"},
             ValueError,
-            "`state_dict_type` must be one of ('auto', 'sharded', 'full'); got 'zip'.",
+            "`state_dict_type` must be one of ('auto', 'sharded', 'full', 'adapter'); got 'zip'.",
         ),
         (
             {"state_dict_type": 5},
             TypeError,
-            "`state_dict_type` must be a str, one of ('auto', 'sharded', 'full'); got 5 of type int.",
+            "`state_dict_type` must be a str, one of ('auto', 'sharded', 'full', 'adapter'); got 5 of type int.",
         ),
         (
             {"process_group_backend": 5},

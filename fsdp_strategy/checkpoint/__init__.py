@@ -1,7 +1,10 @@
 """Checkpoints of sharded models: a Distributed Checkpoint directory, or one full Lightning file.
 
 * ``manager``: ``CheckpointManager``, what the strategy does with checkpoints, dispatched to a format;
-* ``formats``: the checkpoint formats as classes (``ShardedFormat``, ``FullFormat``) and which one a path holds;
+* ``formats``: the checkpoint formats as classes (``ShardedFormat``, ``FullFormat``, ``AdapterFormat``) and which one a
+  path holds;
+* ``adapter_base``: what an adapter checkpoint records of the base its frozen parameters come from;
+* ``peft_record``: the names and configs of a ``peft`` model's adapters, recorded in its checkpoints for the export;
 * ``location``: where a checkpoint is (a local path or an fsspec URL, decided once) and what is done there;
 * ``layout``: a checkpoint dict in its parts (module, optimizers, sharded callback state, trainer state);
 * ``state_dicts``: model and optimizer state taken for a save (full or sharded) and read back into them;

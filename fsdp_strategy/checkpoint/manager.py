@@ -24,10 +24,10 @@ from fsdp_strategy import host_memory
 from fsdp_strategy.checkpoint import background, pretrained, saving, state_dicts
 from fsdp_strategy.checkpoint.formats import FullFormat, SavedFormat, format_named, saved_format
 from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.peft_record import PEFT_KEY, peft_record
 from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from fsdp_strategy.launch.rendezvous import all_ranks_agree, on_rank_zero
 from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
-from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.sizes import format_bytes
 
@@ -78,8 +78,8 @@ class CheckpointManager:
         if self.format is None:  # a save before any setup (trainer.strategy.connect(model))
             model = self.strategy.model or self.strategy.lightning_module
             if model is None:
-                sharded = self.state_dict_type == StateDictType.SHARDED
-                return CheckpointFormat.SHARDED if sharded else CheckpointFormat.FULL
+                auto = self.state_dict_type == StateDictType.AUTO
+                return CheckpointFormat.FULL if auto else CheckpointFormat(self.state_dict_type.value)
             self.format = self._choose_format(model)
         return self.format
 
@@ -98,6 +98,7 @@ class CheckpointManager:
         saving.check_checkpoint_io(
             self.strategy.checkpoint_io,
             sharded=not self.saved_as.single_file,
+            state_dict_type=self.saved_as.name,
             async_save=self.async_save,
             strategy=self.name,
         )
@@ -141,6 +142,9 @@ class CheckpointManager:
         Full checkpoints go through the Trainer's ``CheckpointIO`` plugin when one is given, as under DDP."""
         strategy, saved_as = self.strategy, self.saved_as
         saved_as.check_save(storage_options)
+        record = None if strategy.lightning_module is None else peft_record(strategy.lightning_module)
+        if record is not None:  # the adapters' configs and names, for the PEFT export from any checkpoint of the run
+            checkpoint = {**checkpoint, PEFT_KEY: record}
         self.wait()
         where = location_of(strategy.broadcast(str(filepath)))
         token = strategy.broadcast(staging_token())
@@ -206,7 +210,7 @@ class CheckpointManager:
         # values yet gets them in setup(), once it is sharded and materialized.
         module = self.strategy.lightning_module
         assert module is not None
-        if self.restore is not None and has_meta_tensors(module):
+        if self.restore is not None and self.restore.format.loads_model_after_sharding(module):
             self.restore.model_state, self.restore.strict = checkpoint.get("state_dict"), strict
             return
         if "state_dict" not in checkpoint:
@@ -235,8 +239,10 @@ class CheckpointManager:
 
     def init_weights_loader(self) -> Callable[[nn.Module], None] | None:
         """What loads ``init_weights`` into the sharded module; ``None`` without them or when a checkpoint to
-        resume from, which wins, is being loaded."""
-        return None if self.init_weights is None or self.restoring else self._load_init_weights
+        resume from, which wins, is being loaded (unless it holds no frozen parameters: they come from them)."""
+        if self.init_weights is None or (self.restore is not None and self.restore.format.holds_frozen):
+            return None
+        return self._load_init_weights
 
     def _load_init_weights(self, model: nn.Module) -> None:
         path, strategy = self.init_weights, self.strategy

@@ -259,15 +259,18 @@ def is_default_checkpoint_io(plugin: CheckpointIO) -> bool:
     return type(plugin) is TorchCheckpointIO
 
 
-def check_checkpoint_io(plugin: CheckpointIO, *, sharded: bool, async_save: bool, strategy: str) -> None:
-    """Refuses, before training, a ``CheckpointIO`` plugin that the strategy's checkpoints cannot go through."""
+def check_checkpoint_io(
+    plugin: CheckpointIO, *, sharded: bool, async_save: bool, strategy: str, state_dict_type: str = "sharded"
+) -> None:
+    """Refuses, before training, a ``CheckpointIO`` plugin that the strategy's checkpoints cannot go through
+    (``sharded``: directories, written as ``state_dict_type`` names)."""
     if is_default_checkpoint_io(plugin):
         return
     name = type(plugin).__name__
     if sharded:
         raise ValueError(
             f"The CheckpointIO plugin {name} saves single checkpoint files, and {strategy} saves a directory of"
-            " shards (`state_dict_type='sharded'`) that it cannot write. Pass"
+            f" shards (`state_dict_type='{state_dict_type}'`) that it cannot write. Pass"
             f' `{strategy}(state_dict_type="full")` to save one file per checkpoint through {name}, as DDP does,'
             " or remove the plugin."
             + (

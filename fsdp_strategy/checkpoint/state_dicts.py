@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ def read_sharded(
     strict: bool,
     weights_only: bool = True,
     whole: bool = True,
+    leave_out: Collection[str] = (),
 ) -> dict[str, Any]:
     """The trainer state of a sharded checkpoint, and with ``whole`` its model-shaped entries too, as a single-file
     checkpoint holds them: the module's under ``"state_dict"``, loaded in place into ``model``'s own tensors (its
@@ -84,6 +85,8 @@ def read_sharded(
     Call :func:`fsdp_strategy.checkpoint.verify.verify_sharded_checkpoint` first (with the same ``weights_only``):
     DCP itself unpickles its metadata and non-tensor entries without restrictions. ``path`` may be a URL
     (its manifest is followed) or the :class:`~fsdp_strategy.checkpoint.storage.CheckpointFiles` of one.
+    ``leave_out``: entries of the module's state that the checkpoint does not hold (an adapter checkpoint's frozen
+    parameters), which keep their values.
     """
     files = storage.checkpoint_files(path)
     metadata = read_dcp_metadata(files)
@@ -94,7 +97,7 @@ def read_sharded(
         trainer_state["optimizer_states"] = [{"state": {}, "param_groups": groups} for groups in param_groups]
     if not whole:
         return trainer_state
-    own = _state_dict(model)
+    own = _without(_state_dict(model), leave_out)
     check_model_matches(files, own, strict=strict, metadata=metadata)
     saved = set(metadata.state_dict_metadata)
     tensors: dict[str, Any] = {MODEL_KEY: {k: v for k, v in own.items() if f"{MODEL_KEY}.{k}" in saved}}
@@ -120,15 +123,23 @@ def _model_shaped_entries(metadata: Any) -> list[str]:
     return sorted(key for key in keys if key != MODEL_KEY and optimizer_number(key) is None)
 
 
-def load_sharded_model(path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool) -> None:
-    """Loads the module's shards of a sharded checkpoint into the sharded ``model`` (each rank reads its own)."""
+def _without(state: dict[str, Any], leave_out: Collection[str]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k not in leave_out} if leave_out else state
+
+
+def load_sharded_model(
+    path: Path | str | storage.CheckpointFiles, model: nn.Module, *, strict: bool, leave_out: Collection[str] = ()
+) -> None:
+    """Loads the module's shards of a sharded checkpoint into the sharded ``model`` (each rank reads its own);
+    the entries in ``leave_out`` (see :func:`read_sharded`) keep their values."""
     files = storage.checkpoint_files(path)
-    state = get_model_state_dict(model)
+    state = _without(get_model_state_dict(model), leave_out)
     check_model_matches(files, state, strict=strict)
     saved = set(read_dcp_metadata(files).state_dict_metadata)
     tensors = {MODEL_KEY: {k: v for k, v in state.items() if f"{MODEL_KEY}.{k}" in saved}}
     dcp.load(tensors, storage_reader=files.reader())
-    set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict))
+    # The keys were checked above, those left out apart: torch's strict check would count those as missing.
+    set_model_state_dict(model, tensors[MODEL_KEY], options=StateDictOptions(strict=strict and not leave_out))
 
 
 def load_sharded_optimizers(

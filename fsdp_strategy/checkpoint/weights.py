@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.checkpoint.errors import damaged
 from fsdp_strategy.checkpoint.layout import MODEL_KEY
+from fsdp_strategy.checkpoint.peft_record import PEFT_KEY
 from fsdp_strategy.checkpoint.reader import OpenedCheckpoint, open_checkpoint
 
 __all__ = ["ModelWeights", "WeightEntry", "read_model_weights"]
@@ -47,12 +48,13 @@ class WeightEntry:
 
 @dataclass(frozen=True)
 class ModelWeights:
-    """The module's tensors in its own order, the checkpoint's hyper-parameters, and how many model entries it has
-    (tensors or not)."""
+    """The module's tensors in its own order, the checkpoint's hyper-parameters, how many model entries it has
+    (tensors or not), and its record of a ``peft`` model's adapters (:mod:`~fsdp_strategy.checkpoint.peft_record`)."""
 
     entries: list[WeightEntry]
     hyper_parameters: dict[str, Any]
     total: int
+    peft_adapters: dict[str, Any] | None = None
 
 
 def read_model_weights(checkpoint: Any, *, weights_only: bool) -> ModelWeights:
@@ -65,7 +67,8 @@ def _sharded_weights(opened: OpenedCheckpoint) -> ModelWeights:
     """The model's tensors (names without the checkpoint's ``model`` key), the hyper-parameters, and how
     many model entries the checkpoint has (tensors or not)."""
     files, metadata = opened.files, opened.metadata
-    hyper_parameters = opened.trainer_state().get("hyper_parameters") or {}
+    trainer_state = opened.trainer_state()
+    hyper_parameters = trainer_state.get("hyper_parameters") or {}
     head = f"{MODEL_KEY}."
     # The model's own order (save_pretrained splits in it): DCP's planner_data keeps the saved state dict's
     # order, while state_dict_metadata lists the keys as the ranks' plans were merged.
@@ -85,7 +88,7 @@ def _sharded_weights(opened: OpenedCheckpoint) -> ModelWeights:
         else:
             blocks = partial(_read_whole, opened, key)
         entries.append(WeightEntry(key[len(head) :], md.properties.dtype, tuple(md.size), blocks))
-    return ModelWeights(entries, _as_dict(hyper_parameters), len(keys))
+    return ModelWeights(entries, _as_dict(hyper_parameters), len(keys), trainer_state.get(PEFT_KEY))
 
 
 def _read_whole(opened: OpenedCheckpoint, key: str) -> Iterator[torch.Tensor]:
@@ -181,7 +184,8 @@ def _file_weights(opened: OpenedCheckpoint) -> ModelWeights:
         for name, value in state.items()
         if isinstance(value, torch.Tensor)
     ]
-    return ModelWeights(entries, _as_dict(hyper_parameters or {}), len(state))
+    peft_adapters = loaded.get(PEFT_KEY) if state is not loaded else None
+    return ModelWeights(entries, _as_dict(hyper_parameters or {}), len(state), peft_adapters)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

@@ -31,9 +31,20 @@ def _env(_: argparse.Namespace) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     from fsdp_strategy.tools.consolidate import consolidate_to_file as consolidate
     from fsdp_strategy.tools.export import export_safetensors
+    from fsdp_strategy.tools.export_peft import export_peft
 
     try:
-        if args.format == "safetensors":
+        if args.format == "peft":
+            _refuse_options(args, "--max-shard-size", "--config-from", format="peft")
+            summary = export_peft(
+                args.checkpoint_dir,
+                args.output_file,
+                prefix=args.prefix,
+                overwrite=args.overwrite,
+                progress=args.progress,
+                weights_only=args.weights_only,
+            )
+        elif args.format == "safetensors":
             summary: Any = export_safetensors(
                 args.checkpoint_dir,
                 args.output_file,
@@ -45,15 +56,7 @@ def _consolidate(args: argparse.Namespace) -> int:
                 weights_only=args.weights_only,
             )
         else:
-            for option, value in (
-                ("--prefix", args.prefix),
-                ("--max-shard-size", args.max_shard_size),
-                ("--config-from", args.config_from),
-            ):
-                if value is not None:
-                    raise ValueError(
-                        f"{option} is an option of --format safetensors; got {value!r} with --format lightning"
-                    )
+            _refuse_options(args, "--prefix", "--max-shard-size", "--config-from", format="lightning")
             summary = consolidate(
                 args.checkpoint_dir,
                 args.output_file,
@@ -72,6 +75,14 @@ def _consolidate(args: argparse.Namespace) -> int:
         return 2
     print(summary.describe())
     return 0
+
+
+def _refuse_options(args: argparse.Namespace, *options: str, format: str) -> None:
+    for option in options:
+        value = getattr(args, option.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            formats = "--format safetensors or peft" if option == "--prefix" else "--format safetensors"
+            raise ValueError(f"{option} is an option of {formats}; got {value!r} with --format {format}")
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -306,22 +317,25 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint_dir",
         metavar="CKPT",
         help="the sharded checkpoint (a directory or a URL such as"
-        " s3://bucket/run/last.ckpt); with --format safetensors also a checkpoint file",
+        " s3://bucket/run/last.ckpt); with --format safetensors or peft also a checkpoint file",
     )
     consolidate.add_argument(
-        "output_file", metavar="OUT", help="the checkpoint file to write (--format safetensors: the folder)"
+        "output_file", metavar="OUT", help="the checkpoint file to write (--format safetensors or peft: the folder)"
     )
     consolidate.add_argument(
         "--format",
-        choices=("lightning", "safetensors"),
+        choices=("lightning", "safetensors", "peft"),
         default="lightning",
         help="lightning: one Lightning checkpoint file (default); safetensors: the model's weights"
-        " as save_pretrained writes them, for from_pretrained",
+        " as save_pretrained writes them, for from_pretrained; peft: a peft run's adapters (adapter_model.safetensors"
+        " and adapter_config.json) as PeftModel.save_pretrained writes them, for PeftModel.from_pretrained, from any"
+        " of its checkpoints (adapter, sharded or full)",
     )
     consolidate.add_argument(
         "--prefix",
         help="safetensors: keep the weights under this LightningModule attribute and"
-        " strip it, e.g. 'model.' for self.model = AutoModelForCausalLM...",
+        " strip it, e.g. 'model.' for self.model = AutoModelForCausalLM...; peft: the attribute of the peft model,"
+        " needed only when the module holds several",
     )
     consolidate.add_argument(
         "--max-shard-size",

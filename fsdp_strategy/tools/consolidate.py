@@ -43,6 +43,7 @@ from fsdp_strategy.checkpoint.layout import optimizer_key, sharded_parts
 from fsdp_strategy.checkpoint.reader import open_checkpoint
 from fsdp_strategy.sizes import format_bytes
 from fsdp_strategy.tools.export import export_safetensors
+from fsdp_strategy.tools.export_peft import export_peft
 from fsdp_strategy.tools.progress import progress_bar
 
 __all__ = ["ConsolidatedFile", "consolidate_checkpoint", "consolidate_to_file"]
@@ -78,7 +79,9 @@ def consolidate_checkpoint(
 
     With ``format="safetensors"``, ``output_file`` is a folder that receives the model's weights as
     ``save_pretrained`` writes them, for ``from_pretrained``: see :func:`fsdp_strategy.tools.export.export_safetensors`
-    for ``prefix``, ``max_shard_size`` and ``config_from`` (options of that format only).
+    for ``prefix``, ``max_shard_size`` and ``config_from`` (options of that format only). With ``format="peft"``,
+    ``output_file`` is a folder that receives a ``peft`` run's adapters as ``PeftModel.save_pretrained`` writes them
+    (:func:`fsdp_strategy.tools.export_peft.export_peft`; ``prefix``: the attribute of the peft model).
 
     Runs in one process and needs no process group. The file is written under a temporary name in the
     same folder and renamed when complete, so a failure never leaves a partial ``output_file``.
@@ -117,8 +120,22 @@ def consolidate_checkpoint(
             progress=progress,
             weights_only=weights_only,
         ).path
+    if format == "peft":
+        for option, value in (("max_shard_size", max_shard_size), ("config_from", config_from)):
+            if value is not None:
+                raise ValueError(f"`{option}` is an option of format='safetensors'; got {value!r} with format='peft'.")
+        return export_peft(
+            checkpoint_dir,
+            output_file,
+            prefix=prefix,
+            overwrite=overwrite,
+            progress=progress,
+            weights_only=weights_only,
+        ).path
     if format != "lightning":
-        raise ValueError(f"`format` must be 'lightning' (one checkpoint file) or 'safetensors'; got {format!r}.")
+        raise ValueError(
+            f"`format` must be 'lightning' (one checkpoint file), 'safetensors' or 'peft'; got {format!r}."
+        )
     for option, value in (("prefix", prefix), ("max_shard_size", max_shard_size), ("config_from", config_from)):
         if value is not None:
             raise ValueError(f"`{option}` is an option of format='safetensors'; got {value!r} with format='lightning'.")

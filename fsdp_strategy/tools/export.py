@@ -32,7 +32,7 @@ from fsdp_strategy.checkpoint.weights import WeightEntry, read_model_weights
 from fsdp_strategy.sizes import format_bytes, parse_bytes
 from fsdp_strategy.tools.progress import progress_bar
 
-__all__ = ["export_safetensors"]
+__all__ = ["export_safetensors", "write_atomically", "write_safetensors_file"]
 
 SAFETENSORS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -129,16 +129,16 @@ def export_safetensors(
     bar = progress_bar(len(kept), desc="Exporting") if progress else None
     try:
         for filename, tensor_names in split.filename_to_tensors.items():
-            _write_file(target / filename, [by_name[name] for name in tensor_names], bar)
+            write_safetensors_file(target / filename, [by_name[name] for name in tensor_names], bar)
     finally:
         if bar is not None:
             bar.close()
     if split.is_sharded:
         totals = {"total_parameters": sum(math.prod(e.shape) for e in kept), "total_size": sum(e.nbytes for e in kept)}
         index = {"metadata": {**split.metadata, **totals}, "weight_map": split.tensor_to_filename}
-        _write_atomically(target / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+        write_atomically(target / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
     if config is not None:
-        _write_atomically(target / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True).encode() + b"\n")
+        write_atomically(target / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True).encode() + b"\n")
     # As save_pretrained cleans the folder: weights of an earlier export left beside these would be loaded
     # instead of them (from_pretrained takes model.safetensors before an index).
     for name in os.listdir(target):
@@ -252,7 +252,9 @@ def _header(entries: list[WeightEntry]) -> bytes:
     return len(data).to_bytes(8, "little") + data
 
 
-def _write_file(path: Path, entries: list[WeightEntry], bar: Any) -> None:
+def write_safetensors_file(path: Path, entries: list[WeightEntry], bar: Any) -> None:
+    """One safetensors file of ``entries``, in their order, written aside and renamed into place (``bar``: a
+    progress bar, or ``None``)."""
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
         with open(partial, "xb") as file:
@@ -292,7 +294,8 @@ def _check_written(path: Path, entries: list[WeightEntry]) -> None:
         raise ValueError(f"{path}: safetensors reads back other tensors than were written.")
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` as the file ``path``, written aside and renamed into place."""
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     partial.write_bytes(data)
     os.replace(partial, path)

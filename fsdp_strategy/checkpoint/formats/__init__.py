@@ -3,22 +3,25 @@ one for saving by name, once per stage, and one for loading by what is saved, an
 
 * ``base``: ``SavedFormat``, the methods every format implements;
 * ``sharded``: ``ShardedFormat``, a Distributed Checkpoint directory;
-* ``full``: ``FullFormat``, one Lightning file.
+* ``full``: ``FullFormat``, one Lightning file;
+* ``adapter``: ``AdapterFormat``, a sharded checkpoint without the frozen parameters, and a record of their base.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fsdp_strategy.checkpoint.formats.adapter import AdapterFormat
 from fsdp_strategy.checkpoint.formats.base import SavedFormat
 from fsdp_strategy.checkpoint.formats.full import FullFormat
 from fsdp_strategy.checkpoint.formats.sharded import ShardedFormat
 from fsdp_strategy.checkpoint.location import location_of
 
-__all__ = ["FORMATS", "FullFormat", "SavedFormat", "ShardedFormat", "format_named", "saved_format"]
+__all__ = ["FORMATS", "AdapterFormat", "FullFormat", "SavedFormat", "ShardedFormat", "format_named", "saved_format"]
 
-FORMATS: tuple[type[SavedFormat], ...] = (ShardedFormat, FullFormat)
-"""Every format, in the order :func:`saved_format` asks them; ``FullFormat``, which takes any file, is last."""
+FORMATS: tuple[type[SavedFormat], ...] = (AdapterFormat, ShardedFormat, FullFormat)
+"""Every format, in the order :func:`saved_format` asks them: an adapter checkpoint is a sharded one with a record,
+so it is asked first; ``FullFormat``, which takes any file, is last."""
 
 
 def format_named(name: str) -> type[SavedFormat]:

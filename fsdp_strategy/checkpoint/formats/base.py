@@ -5,7 +5,7 @@ format_named`) and, for loading, by what is saved at the path (:func:`~fsdp_stra
 saved_format`). A new format is one subclass in a file of its own, registered in
 :data:`~fsdp_strategy.checkpoint.formats.FORMATS`: it implements :meth:`holds`, :meth:`model_state`,
 :meth:`optimizer_state`, :meth:`save`, :meth:`load` and :meth:`load_optimizer_states`, and may override
-:meth:`check_save` and :meth:`load_model_after_sharding`.
+:meth:`check_save`, :meth:`loads_model_after_sharding` and :meth:`load_model_after_sharding`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from fsdp_strategy.checkpoint.background import BackgroundSave
 from fsdp_strategy.checkpoint.location import Location
+from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
@@ -38,6 +39,10 @@ class SavedFormat(ABC):
 
     single_file: ClassVar[bool]
     """One file per checkpoint, which a ``CheckpointIO`` plugin can write as it does under DDP."""
+
+    holds_frozen: ClassVar[bool] = True
+    """Whether the checkpoint holds the frozen parameters too; ``False``: a resume takes them from the module as
+    built, or from ``init_weights``, which then are loaded before the checkpoint."""
 
     def __init__(self, strategy: ParallelStrategy) -> None:
         self.strategy = strategy
@@ -86,6 +91,11 @@ class SavedFormat(ABC):
     ) -> None:
         """Loads the saved optimizer states (``checkpoint``: the dict :meth:`load` returned, as
         ``on_load_checkpoint`` left it) into the optimizers of the sharded ``model``, without stepping them."""
+
+    def loads_model_after_sharding(self, module: nn.Module) -> bool:
+        """Whether the module state is loaded into the shards (:meth:`load_model_after_sharding`) rather than by
+        the module's ``load_state_dict`` before sharding, as DDP loads it: a module without values cannot take it."""
+        return has_meta_tensors(module)
 
     def load_model_after_sharding(self, module: nn.Module, *, strict: bool) -> None:
         """Loads the module state that a module without values could not take before sharding, where

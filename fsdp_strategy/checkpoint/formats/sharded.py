@@ -15,7 +15,6 @@ from fsdp_strategy.checkpoint.errors import CheckpointError
 from fsdp_strategy.checkpoint.formats.base import SavedFormat
 from fsdp_strategy.checkpoint.location import Location
 from fsdp_strategy.launch.rendezvous import on_rank_zero
-from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 
 __all__ = ["ShardedFormat"]
 
@@ -76,7 +75,7 @@ class ShardedFormat(SavedFormat):
         # Rank 0 checks every file before any rank unpickles or reads one; a refusal is raised on every rank.
         source = strategy.broadcast(on_rank_zero(check, CheckpointError, strategy.is_global_zero, strategy.broadcast))
         self.files = storage.files_at(source, name=where.value)
-        whole = not has_meta_tensors(module)
+        whole = not self.loads_model_after_sharding(module)
         return state_dicts.read_sharded(
             self.files, module, strict=module.strict_loading, weights_only=not trusted, whole=whole
         )
