@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.modes import CheckpointFormat, HookView, HostMemory, NonFiniteGrads, StateDictType
 from fsdp_strategy.option_checks import check_positive_int
-from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, NF4_REQUIREMENT, torchao_to_nf4
+from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, torchao_to_nf4
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
 __all__ = [
@@ -128,8 +128,8 @@ def _frozen_dtype(value: Any, *, option: str) -> str | None:
         raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
     if value not in FROZEN_DTYPES:
         raise ValueError(f"`{option}` must be {accepted}; got {value!r}.")
-    if value == "nf4" and torchao_to_nf4() is None:
-        raise ImportError(f"`{option}='nf4'` needs {NF4_REQUIREMENT}; torchao is not installed here.")
+    if value == "nf4":
+        torchao_to_nf4()  # before any process starts: torchao missing, or not importable with this torch
     return value
 
 

@@ -13,6 +13,8 @@ gathered in its own dtype; under ``*-mixed`` the policy's ``param_dtype`` then c
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FROZEN_DTYPES", "NF4_REQUIREMENT", "frozen_cast_dtype", "nf4_fits", "store_frozen", "torchao_to_nf4"]
+__all__ = [
+    "FROZEN_DTYPES",
+    "NF4_REQUIREMENT",
+    "frozen_cast_dtype",
+    "nf4_available",
+    "nf4_fits",
+    "store_frozen",
+    "torchao_to_nf4",
+]
 
 _CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FROZEN_DTYPES = (*_CASTS, "nf4")
@@ -36,15 +46,29 @@ def frozen_cast_dtype(frozen_dtype: str | None) -> torch.dtype | None:
     return _CASTS.get(frozen_dtype) if frozen_dtype is not None else None
 
 
-def torchao_to_nf4() -> Callable[[torch.Tensor], Any] | None:
-    """torchao's ``to_nf4``, or ``None`` when torchao (or its NF4 tensor) is not installed."""
+def torchao_to_nf4() -> Callable[[torch.Tensor], Any]:
+    """torchao's ``to_nf4``; raises ``ImportError`` naming the install when torchao is missing or does not import
+    with this torch (each torchao release is built for the torch releases of its time)."""
+    if importlib.util.find_spec("torchao") is None:
+        raise ImportError(f"`frozen_dtype='nf4'` needs {NF4_REQUIREMENT}; torchao is not installed here.")
+    errors = []
     for module_name in ("torchao.dtypes.nf4tensor", "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"):
         try:
-            module = __import__(module_name, fromlist=["to_nf4"])
-        except ImportError:
-            continue
-        return module.to_nf4
-    return None
+            return importlib.import_module(module_name).to_nf4
+        except ImportError as error:
+            errors.append(f"{module_name}: {error}")
+    raise ImportError(
+        f"`frozen_dtype='nf4'` needs {NF4_REQUIREMENT}, in a release that imports with torch {torch.__version__};"
+        f" the torchao installed here does not ({'; '.join(errors)})."
+    )
+
+
+def nf4_available() -> bool:
+    try:
+        torchao_to_nf4()
+    except ImportError:
+        return False
+    return True
 
 
 def nf4_fits(shape: tuple[int, ...], shards: int) -> bool:
@@ -75,8 +99,6 @@ def store_frozen(model: nn.Module, frozen_dtype: str, *, shards: int) -> int:
 
 def _quantize_linear_weights(model: nn.Module, shards: int) -> int:
     to_nf4 = torchao_to_nf4()
-    if to_nf4 is None:
-        raise ImportError(f"`frozen_dtype='nf4'` needs {NF4_REQUIREMENT}; torchao is not installed here.")
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
