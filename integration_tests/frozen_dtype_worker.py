@@ -10,7 +10,8 @@ each global batch whole):
 * ``nf4``: a Llama with hidden size 256, its frozen projections quantized to torchao's NF4 (QLoRA).
 
 The reference builds the same model and converts the same frozen weights the way a user's script would, before
-``Trainer.fit``; each run returns the per-step global loss and the trained adapters, whole.
+``Trainer.fit``; each run returns the per-step global loss, the trained adapters (whole), and
+the bytes of parameters, gradients and optimizer state rank 0 holds after the last step with the estimator's figures.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.estimator.model_state import estimate_module
 from fsdp_strategy.sharding.frozen import nf4_fits, torchao_to_nf4
+from fsdp_strategy.sharding.state_bytes import held_bytes, optimizer_state_tensors
 from integration_tests.finetune_worker import VOCAB, full_params, loader, make_trainer
 
 SCENARIOS = {
@@ -60,12 +63,22 @@ class LoraLlama(L.LightningModule):
             if "lora_B" in name:
                 nn.init.normal_(param, std=0.1)
         self.losses: list[torch.Tensor] = []
+        self.held: dict[str, int] = {}
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, _ = batch
         loss = self.model(input_ids=tokens, labels=tokens).loss
         self.losses.append(loss.detach().float())
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # After the last optimizer step, before the next zero_grad: parameters, gradients and optimizer state held.
+        params = list(self.parameters())
+        self.held = {
+            "params": held_bytes(params),
+            "grads": held_bytes([p.grad for p in params if p.grad is not None]),
+            "optimizer": held_bytes(optimizer_state_tensors(self.trainer.optimizers)),
+        }
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.02)
@@ -91,6 +104,10 @@ def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | N
     L.seed_everything(0)
     steps = 4
     model = LoraLlama(hidden, intermediate)
+    estimate = None
+    if frozen_dtype != "nf4":  # the estimator counts dtypes by their item size; NF4's is not a whole number
+        row = estimate_module(model, strategy="fsdp2", world_size=world, precision=precision, frozen_dtype=frozen_dtype)
+        estimate = {"params": row.param_bytes, "grads": row.grad_bytes, "optimizer": row.optimizer_bytes}
     if strategy == "single":
         convert_frozen_as_a_user_would(model, frozen_dtype, world)
         trainer = make_trainer("single", 1, max_steps=steps, default_root_dir=root, precision=precision)
@@ -110,6 +127,8 @@ def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | N
         "adapters": {name: value for name, value in params.items() if "lora_" in name},
         "frozen_kinds": frozen_kinds,
         "optimizer_state_entries": [len(o.state) for o in trainer.optimizers],
+        "held": model.held,  # rank 0's, which holds the largest shards
+        "estimate": estimate,
     }
 
 

@@ -67,6 +67,17 @@ def check_against_one_process(results: dict, scenario: str) -> None:
     assert sharded["optimizer_state_entries"] == single["optimizer_state_entries"] == [28]
 
 
+@pytest.mark.parametrize("results", ["two", "four"])
+def test_a_bf16_frozen_base_holds_the_estimated_bytes_with_gradients_and_optimizer_state_for_adapters_only(
+    request: pytest.FixtureRequest, results: str
+) -> None:
+    run = request.getfixturevalue(results)["fsdp2/bf16"]
+    assert run["held"] == run["estimate"]
+    # The one process holds everything: the frozen base is all of the parameters but the adapters
+    single = request.getfixturevalue(results)["single/bf16"]["held"]
+    assert run["held"]["grads"] < single["grads"] and run["held"]["params"] < single["params"]
+
+
 @pytest.mark.parametrize("scenario", ["bf16", "nf4"])
 def test_two_ranks_train_the_adapters_as_one_process_does(two: dict, scenario: str) -> None:
     check_against_one_process(two, scenario)
