@@ -4,6 +4,7 @@ ones keep their dtype, a 1-rank fit with a bf16 frozen base, and the estimator's
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import lightning as L
 import pytest
@@ -15,6 +16,8 @@ from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.estimator.model_state import estimate_module
 from fsdp_strategy.options import check_options
 from fsdp_strategy.sharding.frozen import nf4_available, nf4_fits, store_frozen, torchao_to_nf4
+from fsdp_strategy.tools.cli import main
+from testkit.frozen import FrozenBaseRegressor
 from testkit.models import TinyLM, token_loader
 
 
@@ -103,24 +106,6 @@ def test_nf4_quantizes_the_frozen_linear_weights_that_fit_and_leaves_the_rest():
     assert model[0].bias.dtype == torch.float32  # a bias is not quantized
 
 
-class FrozenBaseRegressor(L.LightningModule):
-    """A frozen base feeding a trainable head, written to run with its base in any dtype (as peft's LoRA layers
-    cast their inputs to the base weight's dtype)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 8)).requires_grad_(False)
-        self.head = nn.Linear(8, 3)
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        features = self.base(x.to(self.base[0].weight.dtype)).float()
-        return nn.functional.mse_loss(self.head(features), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-
 class FrozenDtypesWhileTraining(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         params = dict(pl_module.named_parameters())
@@ -192,3 +177,12 @@ def test_the_estimate_refuses_nf4_naming_what_it_counts():
     assert (
         str(error.value) == "`frozen_dtype` must be one of ('bfloat16', 'float16') or None to be estimated; got 'nf4'."
     )
+
+
+def test_the_estimate_command_takes_the_frozen_dtype(capsys):
+    argv = ["estimate", "testkit.frozen:FrozenBaseRegressor", "--world-sizes", "2", "--strategies", "fsdp2", "--json"]
+    assert main([*argv, "--frozen-dtype", "bfloat16"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    model = FrozenBaseRegressor()
+    assert row == estimate_module(model, strategy="fsdp2", world_size=2, frozen_dtype="bfloat16").as_dict()
+    assert row["param_bytes"] < estimate_module(model, strategy="fsdp2", world_size=2).param_bytes
