@@ -86,7 +86,7 @@ def test_nf4_fits_whole_blocks_per_rank_only():
 
 
 def test_nf4_quantizes_the_frozen_linear_weights_that_fit_and_leaves_the_rest():
-    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 8), nn.Linear(256, 64))
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128), nn.Linear(128, 8), nn.Linear(256, 128))
     model[0].requires_grad_(False)
     model[2].requires_grad_(False)
     original = model[0].weight.detach().clone()
@@ -94,10 +94,16 @@ def test_nf4_quantizes_the_frozen_linear_weights_that_fit_and_leaves_the_rest():
         with pytest.raises(
             ImportError, match=r"`frozen_dtype='nf4'` needs torchao's NF4 tensor: `pip install torchao`"
         ):
-            store_frozen(model, "nf4", shards=1)
+            store_frozen(model, "nf4", shards=2)
         return
 
-    assert store_frozen(model, "nf4", shards=1) == 1
+    with pytest.raises(ValueError) as error:
+        store_frozen(model, "nf4", shards=1)
+    assert str(error.value) == (
+        "`frozen_dtype='nf4'` needs 2 or more ranks to shard over; got a shard group of 1. On one process, train"
+        ' without FSDP2 (`strategy="auto"`) with the frozen weights converted by torchao\'s `to_nf4`.'
+    )
+    assert store_frozen(model, "nf4", shards=2) == 1
     assert type(model[0].weight.data).__name__ == "NF4Tensor" and not model[0].weight.requires_grad
     expected = torchao_to_nf4()(original).get_original_weight()  # torchao's own quantization of the weight
     assert torch.equal(model[0].weight.get_original_weight(), expected)

@@ -99,6 +99,13 @@ def store_frozen(model: nn.Module, frozen_dtype: str, *, shards: int) -> int:
 
 def _quantize_linear_weights(model: nn.Module, shards: int) -> int:
     to_nf4 = torchao_to_nf4()
+    if shards == 1:
+        # FSDP2 gathers a tensor subclass through its own all-gather hooks only across ranks; torchao's NF4 tensor
+        # then fails inside its post-all-gather hook on a mesh of one.
+        raise ValueError(
+            "`frozen_dtype='nf4'` needs 2 or more ranks to shard over; got a shard group of 1. On one process, train"
+            ' without FSDP2 (`strategy="auto"`) with the frozen weights converted by torchao\'s `to_nf4`.'
+        )
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
