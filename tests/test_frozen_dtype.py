@@ -192,3 +192,35 @@ def test_the_estimate_command_takes_the_frozen_dtype(capsys):
     model = FrozenBaseRegressor()
     assert row == estimate_module(model, strategy="fsdp2", world_size=2, frozen_dtype="bfloat16").as_dict()
     assert row["param_bytes"] < estimate_module(model, strategy="fsdp2", world_size=2).param_bytes
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_checkpoint_of_a_bf16_frozen_base_resumes_into_a_module_built_in_fp32(trainer_env, tmp_path, state_dict_type):
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 3))
+
+    def fit(model: FrozenBaseRegressor, steps: int, ckpt_path: str | None = None) -> L.Trainer:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=FSDP2Strategy(frozen_dtype="bfloat16", state_dict_type=state_dict_type),
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            max_steps=steps,
+        )
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+        return trainer
+
+    L.seed_everything(0)
+    saved = FrozenBaseRegressor()
+    checkpoint = fit(saved, 2).checkpoint_callback.best_model_path
+    trainer_env.fresh()
+    L.seed_everything(1)  # other initial values: the checkpoint's must replace them
+    resumed = FrozenBaseRegressor()
+    trainer = fit(resumed, 2, ckpt_path=checkpoint)
+
+    assert trainer.global_step == 2  # resumed at the saved step: nothing left to train
+    for (name, before), after in zip(saved.named_parameters(), resumed.parameters()):
+        assert after.dtype == before.dtype and torch.equal(after, before), name
+    assert {p.dtype for p in resumed.base.parameters()} == {torch.bfloat16}
