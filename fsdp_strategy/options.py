@@ -27,6 +27,7 @@ from fsdp_strategy.checkpoint import pretrained
 from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.modes import CheckpointFormat, HookView, HostMemory, NonFiniteGrads, StateDictType
 from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, torchao_to_nf4
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
 __all__ = [
@@ -117,6 +118,19 @@ def _mp_policy(value: Any, *, option: str) -> MixedPrecisionPolicy | None:
             f"`{option}` must be a torch.distributed.fsdp.MixedPrecisionPolicy or None; got {value!r}"
             f" of type {type(value).__name__}."
         )
+    return value
+
+
+def _frozen_dtype(value: Any, *, option: str) -> str | None:
+    if value is None:
+        return None
+    accepted = f"one of {FROZEN_DTYPES} or None"
+    if not isinstance(value, str):
+        raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
+    if value not in FROZEN_DTYPES:
+        raise ValueError(f"`{option}` must be {accepted}; got {value!r}.")
+    if value == "nf4":
+        torchao_to_nf4()  # before any process starts: torchao missing, or not importable with this torch
     return value
 
 
@@ -244,6 +258,16 @@ class Options:
         default=None,
         check=_mp_policy,
         help='an explicit `MixedPrecisionPolicy`; only together with `precision="32-true"`',
+    )
+    frozen_dtype: str | None = _option(
+        accepts=str | None,
+        default=None,
+        check=_frozen_dtype,
+        help="the storage dtype of frozen parameters (`requires_grad=False`), set before sharding while trainable"
+        ' ones keep theirs: `"bfloat16"` or `"float16"` (half the bytes of fp32; under `*-mixed` they are gathered'
+        ' as stored), `"nf4"` frozen `nn.Linear` weights quantized to 4 bits with torchao\'s NF4 tensor (QLoRA; a'
+        " weight whose size does not split into whole NF4 blocks per rank stays as built); `None`: as built. See"
+        ' "Fine-tuning: frozen and unfrozen parameters"',
     )
     sync_grads_each_micro_batch: bool = _option(
         accepts=bool,

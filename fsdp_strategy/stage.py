@@ -33,6 +33,7 @@ from fsdp_strategy.sharding.deferred_init import (
     materialize,
     records_by_name,
 )
+from fsdp_strategy.sharding.frozen import store_frozen
 from fsdp_strategy.sharding.mesh import resolve_mesh_shape
 from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
@@ -163,6 +164,8 @@ class ModuleSharding:
     def parallelize(self, model: nn.Module, arguments: ShardingArguments) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
         options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
+        if options.frozen_dtype is not None:
+            self.store_frozen(model, shards=mesh.size(-1))
         self.before = ShardingSnapshot(model)
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
@@ -199,6 +202,20 @@ class ModuleSharding:
         self.gathered = gathered_parameters(model)
         self.before.pair_gathered(self.gathered)
         self._log(model, units, was_meta, arguments.mesh_shape)
+
+    def store_frozen(self, model: nn.Module, *, shards: int) -> None:
+        """Frozen parameters in ``frozen_dtype`` before ``fully_shard`` shards them in the dtype it finds."""
+        frozen_dtype = self.options.frozen_dtype
+        if has_meta_tensors(model):
+            # A meta parameter is initialized after sharding, in its sharded dtype: casting it first would
+            # initialize a bf16 (or NF4) shard where an eager build initializes fp32 values and then casts.
+            raise ValueError(
+                f"`frozen_dtype={frozen_dtype!r}` needs the module's parameters built before sharding, and this"
+                " module has parameters on the meta device (`meta_init=True` or `init_module(empty_init=True)`)."
+                " Build it on the CPU, or leave `frozen_dtype=None` and cast the frozen parameters yourself."
+            )
+        converted = store_frozen(model, frozen_dtype, shards=shards)
+        rank_zero_info(f"{self.name}: {converted} frozen parameters stored as {frozen_dtype}")
 
     def mp_policy(self, precision: Precision) -> MixedPrecisionPolicy:
         """The policy the units are sharded with: explicit, else derived from ``Trainer(precision=...)``."""

@@ -80,21 +80,33 @@ class UnitGroup:
 
 
 def plan_groups(
-    module: nn.Module, *, strategy: str, precision: str, wrap_policy: PolicyInput = "auto"
+    module: nn.Module,
+    *,
+    strategy: str,
+    precision: str,
+    wrap_policy: PolicyInput = "auto",
+    frozen_dtype: torch.dtype | None = None,
 ) -> list[UnitGroup]:
-    """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group)."""
+    """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group).
+
+    ``frozen_dtype``: the dtype the frozen floating-point parameters are kept in (the strategy's ``frozen_dtype``
+    option, or a cast the user makes before DDP); ``None``: as built.
+    """
     precision = canonical_precision(precision)
     if strategy == "ddp":
         params = unique_parameters(module)
-        return [UnitGroup(_param_infos(params, precision, mixed_precision_policy(precision), _names(module)))]
-    return _unit_groups(module, precision, wrap_policy)
+        infos = _param_infos(params, precision, mixed_precision_policy(precision), _names(module), frozen_dtype)
+        return [UnitGroup(infos)]
+    return _unit_groups(module, precision, wrap_policy, frozen_dtype)
 
 
 def _names(module: nn.Module) -> dict[int, str]:
     return {id(param): name for name, param in module.named_parameters()}
 
 
-def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) -> list[UnitGroup]:
+def _unit_groups(
+    module: nn.Module, precision: str, wrap_policy: PolicyInput, frozen_dtype: torch.dtype | None
+) -> list[UnitGroup]:
     """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
     # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
     low = mixed_precision_policy(precision)
@@ -111,12 +123,12 @@ def _unit_groups(module: nn.Module, precision: str, wrap_policy: PolicyInput) ->
         units = [(list(u.modules), u.mp_policy, u.reshard_after_forward) for u in planned]
     owners = _assign_parameters(module, [[id(m) for m in members] for members, _, _ in units])
     names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
-    root = UnitGroup(_param_infos(owners.pop(-1), precision, low, names), is_root=True)
+    root = UnitGroup(_param_infos(owners.pop(-1), precision, low, names, frozen_dtype), is_root=True)
     return [
         root,
         *(
             UnitGroup(
-                _param_infos(owners[i], precision, policy, names),
+                _param_infos(owners[i], precision, policy, names, frozen_dtype),
                 name=",".join(modules[id(m)] for m in members),
                 reshard_after_forward=reshard,
             )
@@ -149,13 +161,19 @@ def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _param_infos(
-    params: Sequence[nn.Parameter], precision: str, policy: MixedPrecisionPolicy | None, names: dict[int, str]
+    params: Sequence[nn.Parameter],
+    precision: str,
+    policy: MixedPrecisionPolicy | None,
+    names: dict[int, str],
+    frozen_dtype: torch.dtype | None,
 ) -> list[ParamInfo]:
     infos = []
     true_dtype = _TRUE_DTYPES.get(precision)
     for param in params:
         floating = param.is_floating_point()
         storage = true_dtype if true_dtype is not None and floating else param.dtype  # *-true casts the whole model
+        if frozen_dtype is not None and floating and not param.requires_grad:
+            storage = frozen_dtype  # cast after the precision's conversion, before sharding
         compute = policy.param_dtype if policy is not None and policy.param_dtype and floating else storage
         reduce = policy.reduce_dtype if policy is not None and policy.reduce_dtype and floating else compute
         infos.append(

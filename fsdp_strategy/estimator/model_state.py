@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from fsdp_strategy.estimator.groups import (
@@ -35,6 +36,7 @@ from fsdp_strategy.estimator.groups import (
     plan_groups,
 )
 from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, frozen_cast_dtype
 from fsdp_strategy.sharding.mesh import resolve_mesh_shape
 from fsdp_strategy.sharding.policy import PolicyInput
 
@@ -137,8 +139,13 @@ def estimate_module(
     processes_per_node: int | None = None,
     wrap_policy: PolicyInput = "auto",
     accumulate_grad_batches: int = 1,
+    frozen_dtype: str | None = None,
 ) -> Estimate:
     """Memory per rank and communication per optimizer step of training ``module`` with ``strategy``.
+
+    Frozen parameters (``requires_grad=False``) count their storage only: no gradient, no optimizer state, nothing
+    reduced. ``frozen_dtype`` (``"bfloat16"`` or ``"float16"``, the strategy's option of that name) is the dtype
+    they are kept in; ``None``: as built.
 
     ``module`` may live on the meta device, or be sharded already by FSDP2 (its units are then the
     ones it was sharded with, and ``wrap_policy`` is not used). ``processes_per_node`` sets
@@ -151,8 +158,9 @@ def estimate_module(
     precision = _check_options(
         module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches
     )
+    frozen = _frozen_storage(frozen_dtype)
     mesh, note = _mesh_for(strategy, world_size, processes_per_node)
-    groups = plan_groups(module, strategy=strategy, precision=precision, wrap_policy=wrap_policy)
+    groups = plan_groups(module, strategy=strategy, precision=precision, wrap_policy=wrap_policy, frozen_dtype=frozen)
     return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulate_grad_batches, note)
 
 
@@ -176,6 +184,14 @@ def _check_options(
         check_positive_int("processes_per_node", processes_per_node)
     check_optimizer(optimizer)
     return canonical_precision(precision)
+
+
+def _frozen_storage(frozen_dtype: str | None) -> torch.dtype | None:
+    accepted = tuple(name for name in FROZEN_DTYPES if frozen_cast_dtype(name) is not None)
+    if frozen_dtype is not None and frozen_cast_dtype(frozen_dtype) is None:
+        # NF4's bytes per element are not a whole number; the estimate counts dtypes by their item size.
+        raise ValueError(f"`frozen_dtype` must be one of {accepted} or None to be estimated; got {frozen_dtype!r}.")
+    return frozen_cast_dtype(frozen_dtype)
 
 
 def check_optimizer(optimizer: str) -> None:

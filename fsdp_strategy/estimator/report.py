@@ -101,6 +101,7 @@ def estimate(
     seq_len: int | None = None,
     sample_batch: str | Callable[[int], Any] | None = None,
     activation_checkpointing: PolicyInput = None,
+    frozen_dtype: str | None = None,
 ) -> EstimateReport:
     """Estimates every strategy in ``strategies`` at every world size for a module built on the meta device.
 
@@ -117,6 +118,8 @@ def estimate(
     backward run once on fake tensors and every row gets the step's peak, activations included, also with
     ``activation_checkpointing`` (a policy in ``wrap_policy``'s forms) when given; the budget then also
     chooses activation checkpointing and the micro-batch size (:mod:`~fsdp_strategy.estimator.fit`).
+    ``frozen_dtype`` counts frozen parameters in that dtype (see :func:`estimate_module`); the traced peak keeps
+    them as built.
 
     Raises:
         ValueError / TypeError: a bad option, a target that cannot be imported or built.
@@ -158,6 +161,7 @@ def estimate(
                     processes_per_node=processes_per_node,
                     wrap_policy=wrap_policy,
                     accumulate_grad_batches=accumulate_grad_batches,
+                    frozen_dtype=frozen_dtype,
                 )
             )
     peaks = None
@@ -189,6 +193,7 @@ def estimate(
                     processes_per_node=processes_per_node,
                     wrap_policy=wrap_policy,
                     accumulate_grad_batches=accumulate,
+                    frozen_dtype=frozen_dtype,
                 )
 
             recommendations.append(

@@ -4,6 +4,7 @@
 * ``plan``: how a model is sharded in the current world, as a cost model needs to know it;
 * ``policy``: which submodules become sharded units;
 * ``parallelize``: ``fully_shard`` on those units and the root, activation checkpointing, ``torch.compile``;
+* ``frozen``: frozen parameters stored in a lower dtype (bf16, fp16, or torchao's NF4) before sharding;
 * ``mixed_precision``: ``Trainer(precision=...)`` as FSDP2 mixed-precision policies (the Lightning precision
   plugins are :mod:`fsdp_strategy.plugins.precision`);
 * ``comm_pool``: reused flat buffers for the sharded units' collectives on CPU;

@@ -19,11 +19,16 @@ __all__ = ["full_bytes", "held_bytes", "model_state_bytes", "model_state_tensors
 
 def held_bytes(tensors: Iterable[Tensor]) -> int:
     """Bytes this rank holds of ``tensors``: a DTensor's local shard, any other tensor whole."""
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return total
+    return sum(_stored_bytes(tensor.to_local() if isinstance(tensor, DTensor) else tensor) for tensor in tensors)
+
+
+def _stored_bytes(tensor: Tensor) -> int:
+    # A tensor subclass that wraps others (torchao's NF4 tensor: 4-bit codes and their scales) reports the dtype it
+    # stands for; the bytes are those of the tensors inside it.
+    if not isinstance(tensor, DTensor) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 def full_bytes(tensors: Iterable[Tensor]) -> int:

@@ -104,6 +104,7 @@ def _estimate(args: argparse.Namespace) -> int:
             sample_batch=args.sample_batch,
             activation_checkpointing=_policy(args.activation_checkpointing),
             accumulate_grad_batches=args.accumulate_grad_batches,
+            frozen_dtype=args.frozen_dtype,
         )
     except (TypeError, ValueError) as exc:  # a bad option, a class that cannot be imported or built
         print(f"fsdp-strategy estimate: error: {exc}", file=sys.stderr)
@@ -135,6 +136,11 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--world-sizes", default="1,2,4,8", help="comma-separated numbers of ranks (default: 1,2,4,8)")
     parser.add_argument("--precision", default="32-true", choices=ACCEPTED_PRECISIONS, help="default: 32-true")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
+    parser.add_argument(
+        "--frozen-dtype",
+        choices=("bfloat16", "float16"),
+        help="the dtype frozen parameters are kept in (the strategy's frozen_dtype); default: as built",
+    )
     parser.add_argument("--budget", help="memory per rank, e.g. 80GiB, 80GB, 512MiB or plain bytes")
     parser.add_argument(
         "--batch-size",
