@@ -32,7 +32,7 @@ from fsdp_strategy.sharding.deferred_init import (
     materialize,
     records_by_name,
 )
-from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.mesh import data_parallel_world, resolve_mesh_shape
 from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
     ShardedUnit,
@@ -69,7 +69,7 @@ class ShardingArguments:
     """What :class:`ModuleSharding` shards a stage's module with, taken from the strategy once in its ``setup()``."""
 
     precision: Precision  # the Trainer's plugin: it converts the module, and its precision picks the FSDP2 policy
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # the data-parallel dimensions, which fully_shard shards and replicates over
     mesh_shape: tuple[int, int]  # (replicate, shard)
     device: torch.device  # this rank's
     host_group: Any  # the process group of host-side collectives (the buffers' broadcast)
@@ -89,6 +89,8 @@ class ModuleSharding:
         self.comm_buffers: comm_pool.BufferPool | None = None
         self.averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self.layer_sync: LayerSync | None = None  # the one applied in setup(), reverted after the stage
+        # The module came with DTensors (its `configure_model` applied `parallelize_module` or `fully_shard`).
+        self.user_parallelized = False
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled Trainer leaves out this process's hooks and buffers.
@@ -134,11 +136,13 @@ class ModuleSharding:
         return model
 
     def mesh_shape(self, world_size: int, processes_per_node: int) -> tuple[int, int]:
-        """``(replicate_size, shard_size)`` for the world; raises ``ValueError`` when they do not fit."""
+        """``(replicate_size, shard_size)`` of the data-parallel ranks (the world over ``tensor_parallel_size``);
+        raises ``ValueError`` when they do not fit."""
         options = self.options
-        per_node = processes_per_node if options.hybrid else None
+        tensor = options.tensor_parallel_size
+        per_node = processes_per_node // tensor if options.hybrid else None
         return resolve_mesh_shape(
-            world_size,
+            data_parallel_world(world_size, tensor, processes_per_node),
             replicate_size=options.replicate_size,
             shard_size=options.shard_size,
             processes_per_node=per_node,
@@ -159,6 +163,7 @@ class ModuleSharding:
     def parallelize(self, model: nn.Module, arguments: ShardingArguments) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
         options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
+        self.user_parallelized = any(isinstance(p, DTensor) for p in model.parameters())
         self.before = ShardingSnapshot(model)
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
@@ -246,6 +251,12 @@ class ModuleSharding:
         parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`.unshard`); the
         optimizer states stay sharded. It stays sharded where its full parameters do not fit in host memory."""
         if not isinstance(model, FSDPModule) or self.before is None:
+            return
+        if self.user_parallelized:
+            rank_zero_info(
+                f"{self.name}: the module stays sharded after this stage, as Lightning's ModelParallelStrategy leaves"
+                " it: its `configure_model` made its DTensors (`parallelize_module`, `fully_shard`)."
+            )
             return
         needed = full_state_bytes(model, []) * processes_per_node
         available = host_memory.available()
