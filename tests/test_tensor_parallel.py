@@ -1,0 +1,115 @@
+"""``tensor_parallel_size``: the option's checks, the data-parallel mesh shape it leaves, the sampler over
+data-parallel ranks, and clipping by norm over gradients on several device meshes (1-rank gloo group)."""
+
+from __future__ import annotations
+
+import re
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+
+from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.plugins.clipping import clip_grad_norm, total_grad_norm
+from fsdp_strategy.sharding.mesh import (
+    DATA_PARALLEL_DIM,
+    TENSOR_PARALLEL_DIM,
+    data_parallel_mesh,
+    data_parallel_world,
+    tensor_parallel_mesh,
+)
+
+
+def cpu_trainer(**kwargs) -> L.Trainer:
+    """A Trainer that is only constructed: no process or process group is started."""
+    return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (0, ValueError, "`tensor_parallel_size` must be a positive int; got 0."),
+        ("2", TypeError, "`tensor_parallel_size` must be a positive int; got '2' of type str."),
+        (True, TypeError, "`tensor_parallel_size` must be a positive int; got True of type bool."),
+    ],
+)
+def test_a_wrong_tensor_parallel_size_is_refused_with_what_is_accepted(value, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        FSDP2Strategy(tensor_parallel_size=value)
+
+
+def test_tensor_parallelism_that_does_not_divide_a_node_is_refused():
+    message = (
+        "The device mesh does not fit the world: tensor_parallel_size=3 must divide the devices per node (4) and"
+        " the world size (8). Choose a divisor of 4."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        data_parallel_world(8, 3, processes_per_node=4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy=FSDP2Strategy(tensor_parallel_size=3), devices=4, num_nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("options", "devices", "nodes", "shape"),
+    [
+        ({"tensor_parallel_size": 2}, 4, 1, (1, 2)),  # 2 data x 2 tensor
+        ({"tensor_parallel_size": 4}, 4, 1, (1, 1)),  # tensor parallelism only
+        ({"tensor_parallel_size": 2, "hybrid": True}, 4, 2, (2, 2)),  # (replicate, shard, tensor) = (2, 2, 2)
+        ({"tensor_parallel_size": 2, "replicate_size": 4}, 2, 4, (4, 1)),
+    ],
+)
+def test_the_data_parallel_mesh_is_the_world_over_the_tensor_parallel_size(options, devices, nodes, shape):
+    strategy = cpu_trainer(strategy=FSDP2Strategy(**options), devices=devices, num_nodes=nodes).strategy
+    assert strategy.mesh_shape() == shape
+
+
+def test_the_sampler_gives_a_tensor_parallel_group_one_data_parallel_rank():
+    strategy = cpu_trainer(strategy=FSDP2Strategy(tensor_parallel_size=2), devices=2, num_nodes=3).strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
+    strategy.cluster_environment.set_global_rank(5)  # the last rank of the third node
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 2}
+
+
+def test_the_mesh_dimensions_fully_shard_and_parallelize_module_take(single_rank_group):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    assert data_parallel_mesh(mesh).mesh_dim_names == (DATA_PARALLEL_DIM,)
+    assert tensor_parallel_mesh(mesh).mesh_dim_names == (TENSOR_PARALLEL_DIM,)
+    plain = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    assert data_parallel_mesh(plain) is plain
+    assert tensor_parallel_mesh(plain) is None
+
+
+def _parameters_on_two_meshes() -> list[nn.Parameter]:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for on, shape in ((mesh, (3, 4)), (mesh[DATA_PARALLEL_DIM], (5,)), (None, (2, 2))):
+        value, grad = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        if on is not None:
+            placements = [Replicate()] * on.ndim
+            value, grad = distribute_tensor(value, on, placements), distribute_tensor(grad, on, placements)
+        param = nn.Parameter(value)
+        param.grad = grad
+        params.append(param)
+    return params
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def test_clipping_by_norm_spans_gradients_on_several_meshes(single_rank_group):
+    # torch.nn.utils.clip_grad_norm_ stacks DTensors of different meshes, which DTensor refuses.
+    params = _parameters_on_two_meshes()
+    plain = [nn.Parameter(_plain(p).clone()) for p in params]
+    for copy, param in zip(plain, params):
+        copy.grad = _plain(param.grad).clone()
+    expected = torch.nn.utils.clip_grad_norm_(plain, max_norm=0.5)
+    assert total_grad_norm(params) == pytest.approx(float(expected), rel=1e-6)
+    assert clip_grad_norm(params, max_norm=0.5) == pytest.approx(float(expected), rel=1e-6)
+    for copy, param in zip(plain, params):
+        torch.testing.assert_close(_plain(param.grad), copy.grad)
+    assert total_grad_norm(params) == pytest.approx(0.5, rel=1e-5)
