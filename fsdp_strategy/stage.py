@@ -43,6 +43,7 @@ from fsdp_strategy.sharding.parallelize import (
     plan_units,
 )
 from fsdp_strategy.sharding.policy import class_name, select_modules
+from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan, is_parallelized
 from fsdp_strategy.sharding.unshard import (
     ShardingSnapshot,
     full_state_bytes,
@@ -75,6 +76,7 @@ class ShardingArguments:
     host_group: Any  # the process group of host-side collectives (the buffers' broadcast)
     init_weights: Callable[[nn.Module], None] | None  # loads `init_weights` into the sharded module
     restore: Callable[[], None]  # loads what a checkpoint could not put in before sharding
+    tensor_mesh: DeviceMesh | None = None  # the `tensor_parallel` dimension, under tensor_parallel_size > 1
 
 
 class ModuleSharding:
@@ -89,8 +91,8 @@ class ModuleSharding:
         self.comm_buffers: comm_pool.BufferPool | None = None
         self.averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self.layer_sync: LayerSync | None = None  # the one applied in setup(), reverted after the stage
-        # The module came with DTensors (its `configure_model` applied `parallelize_module` or `fully_shard`).
-        self.user_parallelized = False
+        # Split over the tensor-parallel ranks, or sharded in `configure_model`: unshard() does not give it back.
+        self.parallelized = False
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled Trainer leaves out this process's hooks and buffers.
@@ -163,7 +165,10 @@ class ModuleSharding:
     def parallelize(self, model: nn.Module, arguments: ShardingArguments) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
         options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
-        self.user_parallelized = any(isinstance(p, DTensor) for p in model.parameters())
+        if arguments.tensor_mesh is not None and not is_parallelized(model):
+            split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
+            rank_zero_info(f"{self.name}: split {', '.join(split) or 'the module'} by its `base_model_tp_plan`")
+        self.parallelized = is_parallelized(model)
         self.before = ShardingSnapshot(model)
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
@@ -252,10 +257,10 @@ class ModuleSharding:
         optimizer states stay sharded. It stays sharded where its full parameters do not fit in host memory."""
         if not isinstance(model, FSDPModule) or self.before is None:
             return
-        if self.user_parallelized:
+        if self.parallelized:
             rank_zero_info(
                 f"{self.name}: the module stays sharded after this stage, as Lightning's ModelParallelStrategy leaves"
-                " it: its `configure_model` made its DTensors (`parallelize_module`, `fully_shard`)."
+                " it: it was split over the tensor-parallel ranks, or sharded in its `configure_model`."
             )
             return
         needed = full_state_bytes(model, []) * processes_per_node

@@ -37,7 +37,7 @@ from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_opt
 from fsdp_strategy.plugins import precision as plugins
 from fsdp_strategy.sharding import averaging, hook_view
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
-from fsdp_strategy.sharding.mesh import build_device_mesh, data_parallel_mesh
+from fsdp_strategy.sharding.mesh import build_device_mesh, data_parallel_mesh, tensor_parallel_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
 from fsdp_strategy.sharding.plan import ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
@@ -282,6 +282,7 @@ class FSDP2Strategy(ParallelStrategy):
             precision=self.precision_plugin, mesh=data_parallel_mesh(self.device_mesh), mesh_shape=self.mesh_shape(),
             device=self.root_device, host_group=self.processes.host_group(),
             init_weights=self.checkpoints.init_weights_loader(), restore=self.checkpoints.restore_after_sharding,
+            tensor_mesh=tensor_parallel_mesh(self.device_mesh),
         )  # fmt: skip
         layer_sync = self._layer_sync  # type: ignore[attr-defined]
         self.model = self.sharding.setup(

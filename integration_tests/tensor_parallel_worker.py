@@ -6,6 +6,8 @@ Each run is ``strategy/parallelize/clip`` (``--runs``):
 * strategy: ``fsdp2`` (1-D, as many ranks as the launch), ``fsdp2_tp`` (``tensor_parallel_size=2``) or
   ``model_parallel`` (Lightning's ``ModelParallelStrategy(data_parallel_size=world/2, tensor_parallel_size=2)``);
 * parallelize: the module's ``configure_model`` (``TensorParallelGPT(parallelize=...)``): ``tp_fsdp``, ``tp``, ``none``;
+  or ``hf``: a tiny Hugging Face Llama (``testkit.hf.TinyLlama``) without ``configure_model``, split by its own
+  ``base_model_tp_plan`` under ``fsdp2_tp``;
 * clip: ``clip`` (``gradient_clip_val=0.05``, which clips every step here) or ``noclip`` (Lightning's
   ``ModelParallelStrategy`` cannot clip gradients on two meshes).
 
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import fsdp_strategy
+from testkit.hf import TinyLlama
 from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
 
@@ -51,7 +54,10 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
     else:
         strategy = ModelParallelStrategy(data_parallel_size=world_size // 2, tensor_parallel_size=2)
     L.seed_everything(42)
-    model = RecordedGPT(parallelize, record_norms=strategy_name != "model_parallel")
+    if parallelize == "hf":
+        model: L.LightningModule = TinyLlama()
+    else:
+        model = RecordedGPT(parallelize, record_norms=strategy_name != "model_parallel")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -73,7 +79,7 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
     return {
         "params": params,
         "loss": float(trainer.callback_metrics["train_loss"]),
-        "norms": model.norms,
+        "norms": getattr(model, "norms", []),
         "samplers": samplers,
     }
 

@@ -5,6 +5,7 @@ A GPT written for Lightning's ``ModelParallelStrategy`` (its ``configure_model``
 ``fsdp2``: to the parameters of the same GPT, plain, under 1-D ``fsdp2`` on 2 ranks (the same global batches), with
 gradient clipping and Lightning's ``grad_norm`` on the full gradients; and, without clipping (which
 ``ModelParallelStrategy`` cannot do on two meshes), to the parameters and loss of ``ModelParallelStrategy`` itself.
+A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ import torch
 
 from integration_tests.conftest import max_relative_difference, torchrun
 
-FOUR_RANKS = ["fsdp2_tp/tp_fsdp/clip", "fsdp2_tp/tp/clip", "fsdp2_tp/tp_fsdp/noclip", "model_parallel/tp_fsdp/noclip"]
+FOUR_RANKS = [
+    "fsdp2_tp/tp_fsdp/clip",
+    "fsdp2_tp/tp/clip",
+    "fsdp2_tp/tp_fsdp/noclip",
+    "model_parallel/tp_fsdp/noclip",
+    "fsdp2_tp/hf/clip",
+]
 REFERENCE = "fsdp2/none/clip"
+LLAMA_REFERENCE = "fsdp2/hf/clip"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp_path = tmp_path_factory.mktemp("tensor_parallel")
     found = {}
-    for nproc, runs in ((4, FOUR_RANKS), (2, [REFERENCE])):
+    for nproc, runs in ((4, FOUR_RANKS), (2, [REFERENCE, LLAMA_REFERENCE])):
         out = tmp_path / f"results_{nproc}.pt"
         worker = "integration_tests.tensor_parallel_worker"
         torchrun(worker, ["--runs", ",".join(runs), "--out", str(out)], nproc=nproc, cwd=tmp_path)
@@ -53,3 +61,16 @@ def test_a_module_written_for_model_parallel_strategy_trains_as_under_it(results
     assert max_relative_difference(ours["params"], lightnings["params"]) <= 1e-5
     assert ours["loss"] == pytest.approx(lightnings["loss"], rel=1e-5)
     assert max_relative_difference(ours["params"], results[REFERENCE]["params"]) > 1e-4  # clipping made a difference
+
+
+def max_absolute_difference(params: dict, reference: dict) -> float:
+    assert params.keys() == reference.keys()
+    return max((params[k] - reference[k]).abs().max().item() for k in reference)
+
+
+def test_a_hugging_face_model_is_split_by_its_own_plan_to_the_parameters_of_a_one_dimensional_run(results: dict):
+    tensor_parallel, reference = results["fsdp2_tp/hf/clip"], results[LLAMA_REFERENCE]
+    # AdamW at lr 1e-2 turns the reduction-order noise of the split layers into updates of up to ~2e-6 (about 2e-5
+    # of the largest weight of some MLP projections): within 1e-5, absolute.
+    assert max_absolute_difference(tensor_parallel["params"], reference["params"]) <= 1e-5
+    assert tensor_parallel["loss"] == pytest.approx(reference["loss"], rel=1e-5)

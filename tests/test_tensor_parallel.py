@@ -1,5 +1,6 @@
 """``tensor_parallel_size``: the option's checks, the data-parallel mesh shape it leaves, the sampler over
-data-parallel ranks, and clipping by norm over gradients on several device meshes (1-rank gloo group)."""
+data-parallel ranks, clipping by norm over gradients on several device meshes, and the plans applied for a module
+(1-rank gloo group)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.plugins.clipping import clip_grad_norm, total_grad_norm
@@ -21,6 +22,7 @@ from fsdp_strategy.sharding.mesh import (
     data_parallel_world,
     tensor_parallel_mesh,
 )
+from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan
 
 
 def cpu_trainer(**kwargs) -> L.Trainer:
@@ -113,3 +115,49 @@ def test_clipping_by_norm_spans_gradients_on_several_meshes(single_rank_group):
     for copy, param in zip(plain, params):
         torch.testing.assert_close(_plain(param.grad), copy.grad)
     assert total_grad_norm(params) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_a_module_without_a_plan_is_told_what_to_write(single_rank_group):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    message = (
+        "`tensor_parallel_size=1` needs a tensor-parallel plan, and Sequential has none: it holds no Hugging Face"
+        " model with a `config.base_model_tp_plan`. Split its layers in the LightningModule's `configure_model()`,"
+        ' as for Lightning\'s ModelParallelStrategy: `parallelize_module(layer, self.device_mesh["tensor_parallel"],'
+        ' {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or set'
+        " `tensor_parallel_size=1`."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(nn.Sequential(nn.Linear(2, 2)), mesh[TENSOR_PARALLEL_DIM])
+
+
+def test_a_hugging_face_plan_is_applied_through_parallelize_module(single_rank_group):
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    torch.manual_seed(0)
+    module = TinyLlama()
+    tokens = torch.randint(0, 32, (2, 8))
+    expected = module(tokens)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    assert apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM]) == ["model"]
+    split = {name for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    assert "model.model.layers.0.self_attn.q_proj.weight" in split
+    assert "model.model.layers.1.mlp.down_proj.weight" in split
+    assert "model.model.embed_tokens.weight" not in split  # base_model_tp_plan names the layers only
+    torch.testing.assert_close(module(tokens), expected)
+
+
+def test_a_plan_style_without_a_torch_twin_is_refused_by_name(single_rank_group):
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    module = TinyLlama()
+    module.model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    message = (
+        "The `base_model_tp_plan` of LlamaModel (model) splits 'layers.*.mlp.gate_proj' as 'local_packed_rowwise',"
+        " which this strategy does not apply; it applies 'colwise', 'rowwise', 'colwise_rep', 'rowwise_rep',"
+        " 'sequence_parallel'. Split the model in `configure_model()` with `parallelize_module` instead."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM])
