@@ -235,7 +235,8 @@ class Options:
         help="ranks that split each layer's weights (tensor parallelism), as Lightning's `ModelParallelStrategy`:"
         " above 1 the mesh gains a last `tensor_parallel` dimension and its data-parallel ranks are named"
         " `data_parallel`; the module's `configure_model` applies `parallelize_module` on"
-        ' `self.device_mesh["tensor_parallel"]`',
+        ' `self.device_mesh["tensor_parallel"]`, or a Hugging Face model inside it is split by its own'
+        " `base_model_tp_plan`; the module then stays sharded after the stage, as under `ModelParallelStrategy`",
     )
     cpu_offload: bool = _option(
         accepts=bool,
