@@ -27,6 +27,7 @@ __all__ = [
     "all_gather_single",
     "sync_ddp",
     "disabled_torch_function_impl",
+    "flatten_mesh",
     "forget_composable_state",
     "get_layout",
     "is_fake",
@@ -222,3 +223,11 @@ def attached_trainer(module: Any) -> Any:
 def set_device_mesh(module: Any, mesh: Any) -> None:
     """What ``LightningModule.device_mesh`` returns, set as Lightning's ModelParallelStrategy sets it."""
     module._device_mesh = mesh
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh``'s dimensions as one, reachable from its root mesh as ``root[name]``: the data-parallel group of a
+    (replicate, shard, tensor) mesh, which a module written for Lightning's ModelParallelStrategy indexes as
+    ``device_mesh["data_parallel"]``. ``DeviceMesh._flatten`` (torch >= 2.6) is how torchtitan names it; torch has no
+    public spelling."""
+    return mesh._flatten(name)

@@ -78,6 +78,11 @@ def _bool_or_positive_int(value: Any, *, option: str) -> bool | int:
     return value
 
 
+def _positive_int(value: Any, *, option: str) -> int:
+    check_positive_int(option, value)
+    return value
+
+
 def _positive_int_or_none(value: Any, *, option: str) -> int | None:
     if value is not None:
         check_positive_int(option, value, accepted="a positive int or None")
@@ -246,6 +251,16 @@ class Options:
         check=_positive_int_or_none,
         help="the mesh's sharding dimension as a plain integer; times `replicate_size` it must be the world size, and"
         " either implies the other",
+    )
+    tensor_parallel_size: int = _option(
+        accepts=int,
+        default=1,
+        check=_positive_int,
+        help="ranks that split each layer's weights (tensor parallelism), as Lightning's `ModelParallelStrategy`:"
+        " above 1 the mesh gains a last `tensor_parallel` dimension and its data-parallel ranks are named"
+        " `data_parallel`; the module's `configure_model` applies `parallelize_module` on"
+        ' `self.device_mesh["tensor_parallel"]`, or a Hugging Face model inside it is split by its own'
+        " `base_model_tp_plan`; the module then stays sharded after the stage, as under `ModelParallelStrategy`",
     )
     cpu_offload: bool = _option(
         accepts=bool,

@@ -34,7 +34,7 @@ from fsdp_strategy.sharding.deferred_init import (
     records_by_name,
 )
 from fsdp_strategy.sharding.frozen import store_frozen
-from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.mesh import data_parallel_world, resolve_mesh_shape
 from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
     ShardedUnit,
@@ -45,6 +45,7 @@ from fsdp_strategy.sharding.parallelize import (
     plan_units,
 )
 from fsdp_strategy.sharding.policy import class_name, select_modules
+from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan, is_parallelized
 from fsdp_strategy.sharding.unshard import (
     ShardingSnapshot,
     full_state_bytes,
@@ -71,12 +72,13 @@ class ShardingArguments:
     """What :class:`ModuleSharding` shards a stage's module with, taken from the strategy once in its ``setup()``."""
 
     precision: Precision  # the Trainer's plugin: it converts the module, and its precision picks the FSDP2 policy
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # the data-parallel dimensions, which fully_shard shards and replicates over
     mesh_shape: tuple[int, int]  # (replicate, shard)
     device: torch.device  # this rank's
     host_group: Any  # the process group of host-side collectives (the buffers' broadcast)
     init_weights: Callable[[nn.Module], None] | None  # loads `init_weights` into the sharded module
     restore: Callable[[], None]  # loads what a checkpoint could not put in before sharding
+    tensor_mesh: DeviceMesh | None = None  # the `tensor_parallel` dimension, under tensor_parallel_size > 1
 
 
 class ModuleSharding:
@@ -92,6 +94,8 @@ class ModuleSharding:
         self.averages: averaging.ShardedAverages | None = None  # WeightAveraging's copies, sharded like the module
         self.layer_sync: LayerSync | None = None  # the one applied in setup(), reverted after the stage
         self.class_names = PlainClassNames()  # ModelSummary's layer types as under DDP, for the stage
+        # Split over the tensor-parallel ranks, or sharded in `configure_model`: unshard() does not give it back.
+        self.parallelized = False
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled Trainer leaves out this process's hooks and buffers.
@@ -139,11 +143,13 @@ class ModuleSharding:
         return model
 
     def mesh_shape(self, world_size: int, processes_per_node: int) -> tuple[int, int]:
-        """``(replicate_size, shard_size)`` for the world; raises ``ValueError`` when they do not fit."""
+        """``(replicate_size, shard_size)`` of the data-parallel ranks (the world over ``tensor_parallel_size``);
+        raises ``ValueError`` when they do not fit."""
         options = self.options
-        per_node = processes_per_node if options.hybrid else None
+        tensor = options.tensor_parallel_size
+        per_node = processes_per_node // tensor if options.hybrid else None
         return resolve_mesh_shape(
-            world_size,
+            data_parallel_world(world_size, tensor, processes_per_node),
             replicate_size=options.replicate_size,
             shard_size=options.shard_size,
             processes_per_node=per_node,
@@ -164,8 +170,12 @@ class ModuleSharding:
     def parallelize(self, model: nn.Module, arguments: ShardingArguments) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
         options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
+        if arguments.tensor_mesh is not None and not is_parallelized(model):
+            split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
+            rank_zero_info(f"{self.name}: split {', '.join(split) or 'the module'} by its `base_model_tp_plan`")
+        self.parallelized = is_parallelized(model)
         if options.frozen_dtype is not None:
-            self.store_frozen(model, shards=mesh.size(-1))
+            self.store_frozen(model, shards=mesh.size(-1), tensor_parallel=arguments.tensor_mesh is not None)
         self.before = ShardingSnapshot(model)
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
@@ -203,9 +213,16 @@ class ModuleSharding:
         self.before.pair_gathered(self.gathered)
         self._log(model, units, was_meta, arguments.mesh_shape)
 
-    def store_frozen(self, model: nn.Module, *, shards: int) -> None:
+    def store_frozen(self, model: nn.Module, *, shards: int, tensor_parallel: bool) -> None:
         """Frozen parameters in ``frozen_dtype`` before ``fully_shard`` shards them in the dtype it finds."""
         frozen_dtype = self.options.frozen_dtype
+        if frozen_dtype == "nf4" and tensor_parallel:
+            # torchao's NF4 tensor has no tensor-parallel layout: its blocks would be split across ranks.
+            raise ValueError(
+                "`frozen_dtype='nf4'` is not supported with `tensor_parallel_size` > 1: NF4 weights cannot be split"
+                " over the tensor-parallel ranks. Use `frozen_dtype='bfloat16'` (or `'float16'`), or"
+                " `tensor_parallel_size=1`."
+            )
         if has_meta_tensors(model):
             # A meta parameter is initialized after sharding, in its sharded dtype: casting it first would
             # initialize a bf16 (or NF4) shard where an eager build initializes fp32 values and then casts.
@@ -269,6 +286,12 @@ class ModuleSharding:
         parameters in host memory on every rank, its own class, no sharding hooks (see :mod:`.unshard`); the
         optimizer states stay sharded. It stays sharded where its full parameters do not fit in host memory."""
         if not isinstance(model, FSDPModule) or self.before is None:
+            return
+        if self.parallelized:
+            rank_zero_info(
+                f"{self.name}: the module stays sharded after this stage, as Lightning's ModelParallelStrategy leaves"
+                " it: it was split over the tensor-parallel ranks, or sharded in its `configure_model`."
+            )
             return
         needed = full_state_bytes(model, []) * processes_per_node
         available = host_memory.available()

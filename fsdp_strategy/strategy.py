@@ -37,7 +37,7 @@ from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_opt
 from fsdp_strategy.plugins import precision as plugins
 from fsdp_strategy.sharding import averaging, hook_view
 from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
-from fsdp_strategy.sharding.mesh import build_device_mesh
+from fsdp_strategy.sharding.mesh import build_device_mesh, data_parallel_mesh, tensor_parallel_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
 from fsdp_strategy.sharding.plan import ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
@@ -79,6 +79,7 @@ class FSDP2Strategy(ParallelStrategy):
         hybrid: bool = False,
         replicate_size: int | None = None,
         shard_size: int | None = None,
+        tensor_parallel_size: int = 1,
         cpu_offload: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         frozen_dtype: str | None = None,
@@ -103,6 +104,7 @@ class FSDP2Strategy(ParallelStrategy):
             hybrid=hybrid,
             replicate_size=replicate_size,
             shard_size=shard_size,
+            tensor_parallel_size=tensor_parallel_size,
             cpu_offload=cpu_offload,
             mp_policy=mp_policy,
             frozen_dtype=frozen_dtype,
@@ -182,8 +184,10 @@ class FSDP2Strategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank, across nodes too (the base class counts one node only).
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # Across nodes too (the base class counts one node only); a tensor-parallel group's consecutive ranks
+        # share one data-parallel rank, and its batches.
+        tensor = self.options.tensor_parallel_size
+        return {"num_replicas": self.num_nodes * self.num_processes // tensor, "rank": self.global_rank // tensor}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -221,7 +225,8 @@ class FSDP2Strategy(ParallelStrategy):
         self.processes.start(
             self.cluster_environment, member=member, processes_per_node=self.num_processes, device=self.root_device
         )
-        self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape())
+        tensor = self.options.tensor_parallel_size
+        self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape(), tensor)
         set_device_mesh(self.lightning_module, self._device_mesh)
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None:  # before the callbacks' setup(), where WeightAveraging would fail to copy meta tensors
@@ -276,9 +281,10 @@ class FSDP2Strategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         arguments = ShardingArguments(
-            precision=self.precision_plugin, mesh=self.device_mesh, mesh_shape=self.mesh_shape(),
+            precision=self.precision_plugin, mesh=data_parallel_mesh(self.device_mesh), mesh_shape=self.mesh_shape(),
             device=self.root_device, host_group=self.processes.host_group(),
             init_weights=self.checkpoints.init_weights_loader(), restore=self.checkpoints.restore_after_sharding,
+            tensor_mesh=tensor_parallel_mesh(self.device_mesh),
         )  # fmt: skip
         layer_sync = self._layer_sync  # type: ignore[attr-defined]
         self.model = self.sharding.setup(

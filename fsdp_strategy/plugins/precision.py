@@ -24,6 +24,8 @@ from lightning.pytorch.plugins.precision import (
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from fsdp_strategy.plugins.clipping import clip_grad_norm
+
 __all__ = [
     "FSDP2_PLUGINS",
     "SUPPORTED_PRECISIONS",
@@ -102,6 +104,10 @@ class _WholeParametersInHooks:
             super()._after_closure(model, optimizer)  # type: ignore[misc]
         finally:
             self.hook_view.close()
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        # Across the meshes of tensor-parallel and data-parallel parameters alike (see plugins.clipping).
+        clip_grad_norm(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
 
 
 class FSDP2Precision(_WholeParametersInHooks, Precision):

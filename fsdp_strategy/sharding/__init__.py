@@ -1,6 +1,8 @@
 """How a module is split over the ranks and put back together.
 
-* ``mesh``: the device mesh (1-D, or hybrid: replicate across nodes, shard within);
+* ``mesh``: the device mesh (1-D, or hybrid: replicate across nodes, shard within; with tensor parallelism a last
+  ``tensor_parallel`` dimension, named as Lightning's ``ModelParallelStrategy`` names it);
+* ``tensor_parallel``: a Hugging Face model's own tensor-parallel plan applied with ``parallelize_module``;
 * ``plan``: how a model is sharded in the current world, as a cost model needs to know it;
 * ``policy``: which submodules become sharded units;
 * ``parallelize``: ``fully_shard`` on those units and the root, activation checkpointing, ``torch.compile``;

@@ -181,7 +181,8 @@ def gathered_parameters(model: nn.Module) -> list[tuple[Tensor, Tensor]]:
     """``(sharded, gathered)`` for each parameter of the sharded ``model``: FSDP2's gathered (unsharded) parameter
     of each, created at a unit's first all-gather and reused by every later one, found by gathering one unit at a
     time. While a unit is gathered, ``named_parameters()`` yields the gathered tensors of the parameters it manages
-    and DTensors for the others. Collective; call it before any forward (it reshards every unit)."""
+    and the sharded ones for the others; under tensor parallelism a gathered parameter is still a DTensor (split
+    over the ``tensor_parallel`` dimension). Collective; call it before any forward (it reshards every unit)."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded = dict(model.named_parameters())
@@ -189,7 +190,7 @@ def gathered_parameters(model: nn.Module) -> list[tuple[Tensor, Tensor]]:
     for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
         unit.unshard()
         for name, param in model.named_parameters():
-            if not isinstance(param, DTensor) and name not in pairs and isinstance(sharded.get(name), DTensor):
+            if param is not sharded.get(name) and name not in pairs and isinstance(sharded.get(name), DTensor):
                 pairs[name] = (sharded[name], param)
         unit.reshard()
     return list(pairs.values())

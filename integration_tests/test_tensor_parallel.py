@@ -1,0 +1,76 @@
+"""Tensor parallelism inside FSDP2 (``tensor_parallel_size=2``) on 4 gloo ranks, 2 data x 2 tensor.
+
+A GPT written for Lightning's ``ModelParallelStrategy`` (its ``configure_model`` calls ``parallelize_module`` on
+``self.device_mesh["tensor_parallel"]`` and ``fully_shard`` on ``["data_parallel"]``) trains unchanged under
+``fsdp2``: to the parameters of the same GPT, plain, under 1-D ``fsdp2`` on 2 ranks (the same global batches), with
+gradient clipping and Lightning's ``grad_norm`` on the full gradients; and, without clipping (which
+``ModelParallelStrategy`` cannot do on two meshes), to the parameters and loss of ``ModelParallelStrategy`` itself.
+A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from integration_tests.conftest import max_relative_difference, torchrun
+
+FOUR_RANKS = [
+    "fsdp2_tp/tp_fsdp/clip",
+    "fsdp2_tp/tp/clip",
+    "fsdp2_tp/tp_fsdp/noclip",
+    "model_parallel/tp_fsdp/noclip",
+    "fsdp2_tp/hf/clip",
+]
+REFERENCE = "fsdp2/none/clip"
+LLAMA_REFERENCE = "fsdp2/hf/clip"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("tensor_parallel")
+    found = {}
+    for nproc, runs in ((4, FOUR_RANKS), (2, [REFERENCE, LLAMA_REFERENCE])):
+        out = tmp_path / f"results_{nproc}.pt"
+        worker = "integration_tests.tensor_parallel_worker"
+        torchrun(worker, ["--runs", ",".join(runs), "--out", str(out)], nproc=nproc, cwd=tmp_path)
+        found.update(torch.load(out))
+    return found
+
+
+@pytest.mark.parametrize("run", ["fsdp2_tp/tp_fsdp/clip", "fsdp2_tp/tp/clip"])
+def test_two_by_two_reaches_the_parameters_of_a_one_dimensional_run(results: dict, run: str) -> None:
+    # "tp": configure_model applies parallelize_module only, and the strategy shards the blocks over data_parallel.
+    tensor_parallel, reference = results[run], results[REFERENCE]
+    assert max_relative_difference(tensor_parallel["params"], reference["params"]) <= 1e-5
+    assert tensor_parallel["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    # grad_norm in on_before_optimizer_step sees the full gradients, before clipping scales them.
+    assert tensor_parallel["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    assert len(reference["norms"]) == 3 and all(norm > 0.05 for norm in reference["norms"])  # every step clipped
+
+
+def test_the_sampler_splits_the_data_over_data_parallel_ranks(results: dict) -> None:
+    # The two ranks of a tensor-parallel group read the same batches, as under ModelParallelStrategy.
+    samplers = results["fsdp2_tp/tp_fsdp/clip"]["samplers"]
+    assert samplers == results["model_parallel/tp_fsdp/noclip"]["samplers"]
+    assert samplers == [{"num_replicas": 2, "rank": rank // 2} for rank in range(4)]
+
+
+def test_a_module_written_for_model_parallel_strategy_trains_as_under_it(results: dict) -> None:
+    ours, lightnings = results["fsdp2_tp/tp_fsdp/noclip"], results["model_parallel/tp_fsdp/noclip"]
+    assert max_relative_difference(ours["params"], lightnings["params"]) <= 1e-5
+    assert ours["loss"] == pytest.approx(lightnings["loss"], rel=1e-5)
+    assert max_relative_difference(ours["params"], results[REFERENCE]["params"]) > 1e-4  # clipping made a difference
+
+
+def max_absolute_difference(params: dict, reference: dict) -> float:
+    assert params.keys() == reference.keys()
+    return max((params[k] - reference[k]).abs().max().item() for k in reference)
+
+
+def test_a_hugging_face_model_is_split_by_its_own_plan_to_the_parameters_of_a_one_dimensional_run(results: dict):
+    tensor_parallel, reference = results["fsdp2_tp/hf/clip"], results[LLAMA_REFERENCE]
+    # AdamW at lr 1e-2 turns the reduction-order noise of the split layers into updates of up to ~2e-6 (about 2e-5
+    # of the largest weight of some MLP projections): within 1e-5, absolute.
+    assert max_absolute_difference(tensor_parallel["params"], reference["params"]) <= 1e-5
+    assert tensor_parallel["loss"] == pytest.approx(reference["loss"], rel=1e-5)

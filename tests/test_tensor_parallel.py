@@ -1,0 +1,163 @@
+"""``tensor_parallel_size``: the option's checks, the data-parallel mesh shape it leaves, the sampler over
+data-parallel ranks, clipping by norm over gradients on several device meshes, and the plans applied for a module
+(1-rank gloo group)."""
+
+from __future__ import annotations
+
+import re
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from fsdp_strategy import FSDP2Strategy
+from fsdp_strategy.plugins.clipping import clip_grad_norm, total_grad_norm
+from fsdp_strategy.sharding.mesh import (
+    DATA_PARALLEL_DIM,
+    TENSOR_PARALLEL_DIM,
+    data_parallel_mesh,
+    data_parallel_world,
+    tensor_parallel_mesh,
+)
+from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan
+
+
+def cpu_trainer(**kwargs) -> L.Trainer:
+    """A Trainer that is only constructed: no process or process group is started."""
+    return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (0, ValueError, "`tensor_parallel_size` must be a positive int; got 0."),
+        ("2", TypeError, "`tensor_parallel_size` must be a positive int; got '2' of type str."),
+        (True, TypeError, "`tensor_parallel_size` must be a positive int; got True of type bool."),
+    ],
+)
+def test_a_wrong_tensor_parallel_size_is_refused_with_what_is_accepted(value, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        FSDP2Strategy(tensor_parallel_size=value)
+
+
+def test_tensor_parallelism_that_does_not_divide_a_node_is_refused():
+    message = (
+        "The device mesh does not fit the world: tensor_parallel_size=3 must divide the devices per node (4) and"
+        " the world size (8). Choose a divisor of 4."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        data_parallel_world(8, 3, processes_per_node=4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu_trainer(strategy=FSDP2Strategy(tensor_parallel_size=3), devices=4, num_nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("options", "devices", "nodes", "shape"),
+    [
+        ({"tensor_parallel_size": 2}, 4, 1, (1, 2)),  # 2 data x 2 tensor
+        ({"tensor_parallel_size": 4}, 4, 1, (1, 1)),  # tensor parallelism only
+        ({"tensor_parallel_size": 2, "hybrid": True}, 4, 2, (2, 2)),  # (replicate, shard, tensor) = (2, 2, 2)
+        ({"tensor_parallel_size": 2, "replicate_size": 4}, 2, 4, (4, 1)),
+    ],
+)
+def test_the_data_parallel_mesh_is_the_world_over_the_tensor_parallel_size(options, devices, nodes, shape):
+    strategy = cpu_trainer(strategy=FSDP2Strategy(**options), devices=devices, num_nodes=nodes).strategy
+    assert strategy.mesh_shape() == shape
+
+
+def test_the_sampler_gives_a_tensor_parallel_group_one_data_parallel_rank():
+    strategy = cpu_trainer(strategy=FSDP2Strategy(tensor_parallel_size=2), devices=2, num_nodes=3).strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
+    strategy.cluster_environment.set_global_rank(5)  # the last rank of the third node
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 2}
+
+
+def test_the_mesh_dimensions_fully_shard_and_parallelize_module_take(single_rank_group):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    assert data_parallel_mesh(mesh).mesh_dim_names == (DATA_PARALLEL_DIM,)
+    assert tensor_parallel_mesh(mesh).mesh_dim_names == (TENSOR_PARALLEL_DIM,)
+    plain = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    assert data_parallel_mesh(plain) is plain
+    assert tensor_parallel_mesh(plain) is None
+
+
+def _parameters_on_two_meshes() -> list[nn.Parameter]:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for on, shape in ((mesh, (3, 4)), (mesh[DATA_PARALLEL_DIM], (5,)), (None, (2, 2))):
+        value, grad = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        if on is not None:
+            placements = [Replicate()] * on.ndim
+            value, grad = distribute_tensor(value, on, placements), distribute_tensor(grad, on, placements)
+        param = nn.Parameter(value)
+        param.grad = grad
+        params.append(param)
+    return params
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def test_clipping_by_norm_spans_gradients_on_several_meshes(single_rank_group):
+    # torch.nn.utils.clip_grad_norm_ stacks DTensors of different meshes, which DTensor refuses.
+    params = _parameters_on_two_meshes()
+    plain = [nn.Parameter(_plain(p).clone()) for p in params]
+    for copy, param in zip(plain, params):
+        copy.grad = _plain(param.grad).clone()
+    expected = torch.nn.utils.clip_grad_norm_(plain, max_norm=0.5)
+    assert total_grad_norm(params) == pytest.approx(float(expected), rel=1e-6)
+    assert clip_grad_norm(params, max_norm=0.5) == pytest.approx(float(expected), rel=1e-6)
+    for copy, param in zip(plain, params):
+        torch.testing.assert_close(_plain(param.grad), copy.grad)
+    assert total_grad_norm(params) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_a_module_without_a_plan_is_told_what_to_write(single_rank_group):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    message = (
+        "`tensor_parallel_size=1` needs a tensor-parallel plan, and Sequential has none: it holds no Hugging Face"
+        " model with a `config.base_model_tp_plan`. Split its layers in the LightningModule's `configure_model()`,"
+        ' as for Lightning\'s ModelParallelStrategy: `parallelize_module(layer, self.device_mesh["tensor_parallel"],'
+        ' {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or set'
+        " `tensor_parallel_size=1`."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(nn.Sequential(nn.Linear(2, 2)), mesh[TENSOR_PARALLEL_DIM])
+
+
+def test_a_hugging_face_plan_is_applied_through_parallelize_module(single_rank_group):
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    torch.manual_seed(0)
+    module = TinyLlama()
+    tokens = torch.randint(0, 32, (2, 8))
+    expected = module(tokens)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    assert apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM]) == ["model"]
+    split = {name for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    assert "model.model.layers.0.self_attn.q_proj.weight" in split
+    assert "model.model.layers.1.mlp.down_proj.weight" in split
+    assert "model.model.embed_tokens.weight" not in split  # base_model_tp_plan names the layers only
+    torch.testing.assert_close(module(tokens), expected)
+
+
+def test_a_plan_style_without_a_torch_twin_is_refused_by_name(single_rank_group):
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    module = TinyLlama()
+    module.model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    message = (
+        "The `base_model_tp_plan` of LlamaModel (model) splits 'layers.*.mlp.gate_proj' as 'local_packed_rowwise',"
+        " which this strategy does not apply; it applies 'colwise', 'rowwise', 'colwise_rep', 'rowwise_rep',"
+        " 'sequence_parallel'. Split the model in `configure_model()` with `parallelize_module` instead."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM])
