@@ -122,7 +122,10 @@ class FSDP2Strategy(ParallelStrategy):
             hook_view=hook_view,
         )
         self.guard = NonFiniteGuard(options.nonfinite_grads)
-        self.checkpoints = CheckpointManager(self, options)
+        self.checkpoints = CheckpointManager(
+            self, state_dict_type=options.state_dict_type, async_save=options.async_save, timeout=options.timeout,
+            init_weights=options.init_weights,
+        )  # fmt: skip
         name = type(self).__name__  # in messages
         self.sharding = ModuleSharding(options, name=name)
         self.processes = ProcessGroup(name=name, timeout=options.timeout, backend=options.process_group_backend)
