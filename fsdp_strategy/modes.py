@@ -24,6 +24,11 @@ class StateDictType(_Mode):
     FULL = "full"
     ADAPTER = "adapter"  # a sharded checkpoint without the frozen parameters
 
+    @property
+    def checkpoint_format(self) -> CheckpointFormat | None:
+        """The format this type always saves; ``None`` for ``AUTO``, which decides it per model."""
+        return _FORMAT_OF.get(self)
+
 
 class CheckpointFormat(_Mode):
     """What the checkpoints are: ``state_dict_type`` with ``"auto"`` decided."""
@@ -31,6 +36,13 @@ class CheckpointFormat(_Mode):
     SHARDED = "sharded"  # a Distributed Checkpoint directory
     FULL = "full"  # one Lightning checkpoint file
     ADAPTER = "adapter"  # a Distributed Checkpoint directory of what training changes, and a record of the base
+
+
+_FORMAT_OF = {
+    StateDictType.SHARDED: CheckpointFormat.SHARDED,
+    StateDictType.FULL: CheckpointFormat.FULL,
+    StateDictType.ADAPTER: CheckpointFormat.ADAPTER,
+}
 
 
 class NonFiniteGrads(_Mode):

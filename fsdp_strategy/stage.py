@@ -1,14 +1,16 @@
 """A stage's sharding of the strategy's module: from the plain module to sharded units, and back.
 
-``ModuleSharding`` holds what one stage's sharding leaves behind (the snapshot of the module before it, the
-hooks that load full tensors into shards, FSDP2's gathered parameters, the pooled collective buffers,
-WeightAveraging's sharded copies) and gives the plain module back after a stage that ended normally.
+``ModuleSharding`` builds the stage's device mesh, holds what one stage's sharding leaves behind (the snapshot of
+the module before it, the hooks that load full tensors into shards, FSDP2's gathered parameters, the pooled
+collective buffers, WeightAveraging's sharded copies) and gives the plain module back after a stage that ended
+normally; it answers what the sharding options decide (where ``configure_model`` builds, the parameters hooks see).
 ``ShardingArguments`` is what the strategy hands it for one stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,16 +27,22 @@ from torch.optim import Optimizer
 from fsdp_strategy import host_memory
 from fsdp_strategy._compat import reset_iter_state
 from fsdp_strategy.launch.rendezvous import all_ranks_agree
-from fsdp_strategy.options import HostMemory, Options
-from fsdp_strategy.sharding import averaging, comm_pool, pruning
+from fsdp_strategy.options import HookView, HostMemory, Options
+from fsdp_strategy.sharding import averaging, comm_pool, hook_view, pruning
 from fsdp_strategy.sharding.class_names import PlainClassNames
 from fsdp_strategy.sharding.deferred_init import (
+    deferred_init,
     has_meta_tensors,
     materialize,
     records_by_name,
 )
 from fsdp_strategy.sharding.frozen import store_frozen
-from fsdp_strategy.sharding.mesh import data_parallel_world, resolve_mesh_shape
+from fsdp_strategy.sharding.mesh import (
+    build_device_mesh,
+    data_parallel_sampler,
+    data_parallel_world,
+    resolve_mesh_shape,
+)
 from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
     ShardedUnit,
@@ -87,6 +95,7 @@ class ModuleSharding:
     def __init__(self, options: Options, *, name: str) -> None:
         self.options = options
         self.name = name  # the strategy's, in messages
+        self.mesh: DeviceMesh | None = None  # built when the processes have started
         self.before: ShardingSnapshot | None = None
         self.load_hooks: list[Any] = []
         self.gathered: list[tuple[Tensor, Tensor]] | None = None  # (sharded, FSDP2's gathered) of each parameter
@@ -154,6 +163,50 @@ class ModuleSharding:
             shard_size=options.shard_size,
             processes_per_node=per_node,
         )
+
+    def init_context(self, device: torch.device, empty_init: bool | None) -> AbstractContextManager[Any]:
+        """Where ``configure_model`` builds: Lightning asks with ``empty_init=None``, as DDP builds there, on the
+        device for real, unless ``meta_init``; deferred parameters are filled in setup(), one shard per rank."""
+        deferred = self.options.meta_init if empty_init is None else empty_init
+        return deferred_init(device) if deferred else torch.device(device)
+
+    def view_in_hooks(
+        self,
+        model: nn.Module,
+        owners: tuple[nn.Module | None, list[Any]],
+        *,
+        fitting: bool,
+        device: torch.device,
+        processes_per_node: int,
+    ) -> hook_view.WholeParameters | None:
+        """The whole parameters that the hooks of ``owners`` (the LightningModule, the callbacks) see while fitting
+        under ``hook_view="whole"``; ``None``: they see the shards."""
+        whole = fitting and self.options.hook_view == HookView.WHOLE and isinstance(model, FSDPModule)
+        return hook_view.whole_parameters_in_hooks(model, owners if whole else None, device, processes_per_node)
+
+    def explain(self, exception: BaseException) -> str | None:
+        """A note for an error of code that read a shard as a plain tensor under ``hook_view="sharded"``."""
+        sharded_view = self.options.hook_view == HookView.SHARDED
+        return hook_view.explain_sharded_view(exception) if sharded_view else None
+
+    def build_mesh(self, device_type: str, mesh_shape: tuple[int, int]) -> DeviceMesh:
+        """The stage's mesh, of ``mesh_shape``'s ``(replicate, shard)`` ranks, with a last ``tensor_parallel``
+        dimension under ``tensor_parallel_size`` > 1."""
+        self.mesh = build_device_mesh(device_type, *mesh_shape, self.options.tensor_parallel_size)
+        return self.mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise RuntimeError(
+                f"{self.name}.device_mesh is available from `setup_environment()` on, e.g. in"
+                " `LightningModule.configure_model()`, not before the processes have started."
+            )
+        return self.mesh
+
+    def sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, int]:
+        """``DistributedSampler``'s arguments: the data-parallel ranks of ``world_size``, ``global_rank``'s one."""
+        return data_parallel_sampler(world_size, global_rank, self.options.tensor_parallel_size)
 
     def shard(self, model: nn.Module, arguments: ShardingArguments) -> nn.Module:
         """A plain module sharded: as DDP, every rank starts from rank 0's parameters and buffers, then

@@ -1,14 +1,14 @@
 """``FSDP2Strategy``: Lightning's hooks, each delegating to the small modules of this package.
 
-Checkpoints go to :class:`~fsdp_strategy.checkpoint.manager.CheckpointManager`, the module's sharding and its
-giving back to :class:`~fsdp_strategy.stage.ModuleSharding`, the per-step features to the
-:class:`~fsdp_strategy.step.hooks.StepHooks` built in ``setup()``, the process group to
-:class:`~fsdp_strategy.launch.process_group.ProcessGroup`; the options are checked once into ``options``.
+Checkpoints go to :class:`~fsdp_strategy.checkpoint.manager.CheckpointManager`; the device mesh, the module's
+sharding and its giving back to :class:`~fsdp_strategy.stage.ModuleSharding`; the end of a stage to
+:mod:`~fsdp_strategy.stage_end`; the per-step features to the :class:`~fsdp_strategy.step.hooks.StepHooks` built in
+``setup()``; the process group to :class:`~fsdp_strategy.launch.process_group.ProcessGroup`; precision plugins to
+:mod:`~fsdp_strategy.plugins.precision`. The options are checked once into ``options``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -33,27 +33,27 @@ from fsdp_strategy.checkpoint.manager import CheckpointManager
 from fsdp_strategy.checkpoint.resume_last import ResumingLauncher
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.launch.process_group import ProcessGroup
-from fsdp_strategy.options import CheckpointFormat, HookView, Options, check_options, docstring_args
+from fsdp_strategy.options import CheckpointFormat, check_options, docstring_args
 from fsdp_strategy.plugins import precision as plugins
-from fsdp_strategy.sharding import averaging, hook_view
-from fsdp_strategy.sharding.deferred_init import deferred_init, has_meta_tensors
-from fsdp_strategy.sharding.mesh import build_device_mesh, data_parallel_mesh, tensor_parallel_mesh
+from fsdp_strategy.sharding import averaging
+from fsdp_strategy.sharding.deferred_init import has_meta_tensors
+from fsdp_strategy.sharding.mesh import data_parallel_mesh, tensor_parallel_mesh
 from fsdp_strategy.sharding.parallelize import no_gradient_sync
 from fsdp_strategy.sharding.plan import ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.stage import ModuleSharding, ShardingArguments
+from fsdp_strategy.stage_end import end_stage, logged_after_an_error, teardown_keeping_module
 from fsdp_strategy.step import unused
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHooks
+from fsdp_strategy.strategy_names import register_strategy_names
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["FSDP2Strategy", "ShardingPlan"]
-
-_log = logging.getLogger(__name__)
 
 
 class FSDP2Strategy(ParallelStrategy):
@@ -97,7 +97,7 @@ class FSDP2Strategy(ParallelStrategy):
         hook_view: str = "whole",
     ) -> None:
         super().__init__()
-        self.options: Options = check_options(
+        options = self.options = check_options(
             wrap_policy=wrap_policy,
             activation_checkpointing_policy=activation_checkpointing_policy,
             reshard_after_forward=reshard_after_forward,
@@ -121,14 +121,15 @@ class FSDP2Strategy(ParallelStrategy):
             reuse_comm_buffers=reuse_comm_buffers,
             hook_view=hook_view,
         )
-        self.guard = NonFiniteGuard(self.options.nonfinite_grads)
-        self.checkpoints = CheckpointManager(self, self.options)
-        self.sharding = ModuleSharding(self.options, name=type(self).__name__)
-        self.processes = ProcessGroup(
-            name=type(self).__name__, timeout=self.options.timeout, backend=self.options.process_group_backend
-        )
+        self.guard = NonFiniteGuard(options.nonfinite_grads)
+        self.checkpoints = CheckpointManager(
+            self, state_dict_type=options.state_dict_type, async_save=options.async_save, timeout=options.timeout,
+            init_weights=options.init_weights,
+        )  # fmt: skip
+        name = type(self).__name__  # in messages
+        self.sharding = ModuleSharding(options, name=name)
+        self.processes = ProcessGroup(name=name, timeout=options.timeout, backend=options.process_group_backend)
         self.step_hooks = StepHooks()  # built in setup(), closed in teardown()
-        self._device_mesh: DeviceMesh | None = None
         self._in_manual_step = False
         self._in_no_sync = False
         self.num_nodes = 1
@@ -143,28 +144,11 @@ class FSDP2Strategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
-        variants = {
-            "fsdp2": ("Fully sharded data parallel (FSDP2, ZeRO-3)", {}),
-            "fsdp2_grad_op": (
-                "FSDP2 keeping parameters gathered between forward and backward",
-                {"reshard_after_forward": False},
-            ),
-            "fsdp2_hybrid": ("FSDP2 sharding within a node and replicating across nodes", {"hybrid": True}),
-            "fsdp2_offload": ("FSDP2 with sharded state offloaded to host memory (CUDA)", {"cpu_offload": True}),
-            # "fsdp2" always does what DDP needs find_unused_parameters=True for; the name eases the switch.
-            "fsdp2_find_unused_parameters_true": ("FSDP2 (parameters unused on some ranks are always handled)", {}),
-        }
-        for name, (description, init_params) in variants.items():
-            registry.register(name, cls, description=description, override=True, **init_params)
+        register_strategy_names(registry, cls)
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.device_mesh is available from `setup_environment()` on, e.g. in"
-                " `LightningModule.configure_model()`, not before the processes have started."
-            )
-        return self._device_mesh
+        return self.sharding.device_mesh
 
     @property
     @override
@@ -184,10 +168,8 @@ class FSDP2Strategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Across nodes too (the base class counts one node only); a tensor-parallel group's consecutive ranks
-        # share one data-parallel rank, and its batches.
-        tensor = self.options.tensor_parallel_size
-        return {"num_replicas": self.num_nodes * self.num_processes // tensor, "rank": self.global_rank // tensor}
+        # Across nodes too (the base class counts one node only), over the data-parallel ranks.
+        return self.sharding.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     @property
     def process_group_backend(self) -> str | None:
@@ -225,9 +207,7 @@ class FSDP2Strategy(ParallelStrategy):
         self.processes.start(
             self.cluster_environment, member=member, processes_per_node=self.num_processes, device=self.root_device
         )
-        tensor = self.options.tensor_parallel_size
-        self._device_mesh = build_device_mesh(self.root_device.type, *self.mesh_shape(), tensor)
-        set_device_mesh(self.lightning_module, self._device_mesh)
+        set_device_mesh(self.lightning_module, self.sharding.build_mesh(self.root_device.type, self.mesh_shape()))
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None:  # before the callbacks' setup(), where WeightAveraging would fail to copy meta tensors
             averaging.refuse_meta_module(trainer.callbacks, self.lightning_module)
@@ -239,10 +219,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        view = hook_view.explain_sharded_view(exception) if self.options.hook_view == HookView.SHARDED else None
-        self.processes.add_notes(
-            exception, [unused.explain(exception) or view, self.processes.diagnose(exception, rank=self.global_rank)]
-        )
+        explained = unused.explain(exception) or self.sharding.explain(exception)
+        self.processes.add_notes(exception, [explained, self.processes.diagnose(exception, rank=self.global_rank)])
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
@@ -252,13 +230,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is not None and not isinstance(plugin, plugins.FSDP2_PLUGINS):
-            # Lightning's connector builds one of its own plugins from `Trainer(precision=...)` for a strategy it
-            # has no plugin class for: the same precision on shards, or the error that names what is supported.
-            mp_policy_given = self.options.mp_policy is not None
-            plugin = plugins.translate_trainer_plugin(
-                plugin, strategy=type(self).__name__, explicit_mp_policy=mp_policy_given
-            )
+        if plugin is not None:  # None comes from the base class's __init__, before the options are checked
+            plugin = plugins.strategy_plugin(plugin, strategy=type(self).__name__, mp_policy=self.options.mp_policy)
         self._precision_plugin = plugin
 
     def mp_policy(self) -> MixedPrecisionPolicy:
@@ -268,11 +241,8 @@ class FSDP2Strategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Lightning calls this around `configure_model` with `empty_init=None`, as DDP builds there: on the
-        # device, for real. Deferred parameters are filled in setup(), after sharding, one shard per rank.
-        deferred = self.options.meta_init if empty_init is None else empty_init
         device = self.root_device if self.parallel_devices else torch.device("cpu")
-        with deferred_init(device) if deferred else torch.device(device), self.precision_plugin.tensor_init_context():
+        with self.sharding.init_context(device, empty_init), self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -301,11 +271,10 @@ class FSDP2Strategy(ParallelStrategy):
             gathered=self.sharding.gathered,
         )  # fmt: skip
         self.setup_precision_plugin()
-        whole = fitting and self.options.hook_view == HookView.WHOLE and isinstance(self.model, FSDPModule)
-        owners = (self.lightning_module, trainer.callbacks) if whole else None  # type: ignore[attr-defined]
-        self.precision_plugin.hook_view = hook_view.whole_parameters_in_hooks(
-            self.model, owners, self.root_device, self.num_processes
-        )  # type: ignore[attr-defined]
+        self.precision_plugin.hook_view = self.sharding.view_in_hooks(  # type: ignore[attr-defined]
+            self.model, (self.lightning_module, trainer.callbacks), fitting=fitting, device=self.root_device,
+            processes_per_node=self.num_processes,
+        )  # fmt: skip
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -439,52 +408,21 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        interrupted = trainer is not None and trainer.interrupted
         self.checkpoints.begin_stage()
-        if isinstance(self._precision_plugin, plugins.FSDP2_PLUGINS):
-            self._precision_plugin.hook_view = None  # it holds the module
-        try:
-            self._teardown(trainer)
-        except Exception as error:  # noqa: BLE001  (Lightning re-raises the user's error after this: keep it in view)
-            if trainer is None or not trainer.interrupted:
-                raise
-            _log.warning(
-                f"[rank {self.global_rank}] {type(self).__name__}: teardown after the error above failed too: {error!r}"
-            )
-
-    def _teardown(self, trainer: pl.Trainer | None) -> None:
-        # Settling a save and gathering the module are collectives: only when every rank ended the stage
-        # normally (an exception on one rank alone, e.g. in a rank-0-only callback, leaves the others here).
-        ended = self.processes.stage_ended_on_every_rank(
-            trainer is not None and not trainer.interrupted, world_size=self.world_size
-        )
-        try:
-            if ended:
-                self.checkpoints.wait()  # a failed background save raises here, on every rank
-                self.step_hooks.stage_ended()
-                self.sharding.give_back(
-                    self.model,
-                    sharded_optimizers(self.optimizers),
-                    self.step_hooks,
-                    processes_per_node=self.num_processes,
-                    device=self.root_device,
-                )  # type: ignore[arg-type]
-        except BaseException:
-            ended = False  # nothing more is waited for
-            raise
-        finally:  # the stage's features go, also after a failure: the unused-parameter hooks would keep the module alive
-            self.step_hooks.close(wait=ended)
-            if not self.processes.peer_lost:
-                self.checkpoints.close()
-            self.processes.stop()
-        if self.model is not None:
-            self.model = self.sharding.after_stage(self.model, interrupted=trainer is not None and trainer.interrupted)
-        if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
-            # An error came before setup() materialized the module (WeightAveraging's refusal): there is nothing
-            # to move, and moving meta tensors would raise over that error. The rest of the base teardown:
-            assert self.cluster_environment is not None and self.accelerator is not None
-            self.cluster_environment.teardown()
-            self.precision_plugin.teardown()
-            self.accelerator.teardown()
-            self.checkpoint_io.teardown()
-            return
-        super().teardown()  # as under DDP: module and optimizer states to CPU (a no-op there), CheckpointIO torn down
+        plugins.forget_module(self._precision_plugin)
+        with logged_after_an_error(interrupted, who=f"[rank {self.global_rank}] {type(self).__name__}"):
+            end_stage(
+                ended_here=trainer is not None and not interrupted, world_size=self.world_size,
+                checkpoints=self.checkpoints, step_hooks=self.step_hooks, processes=self.processes,
+                give_back=lambda: self.sharding.give_back(
+                    self.model, sharded_optimizers(self.optimizers), self.step_hooks,  # type: ignore[arg-type]
+                    processes_per_node=self.num_processes, device=self.root_device,
+                ),
+            )  # fmt: skip
+            if self.model is not None:
+                self.model = self.sharding.after_stage(self.model, interrupted=interrupted)
+            if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
+                teardown_keeping_module(self)  # an error came before setup() materialized the module
+            else:  # as under DDP: module and optimizer states to CPU (a no-op there), CheckpointIO torn down
+                super().teardown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.checkpoint.peft_record import PEFT_KEY, peft_record
 from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from fsdp_strategy.launch.rendezvous import all_ranks_agree, on_rank_zero
-from fsdp_strategy.options import CheckpointFormat, Options, StateDictType
+from fsdp_strategy.modes import CheckpointFormat, StateDictType
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.sizes import format_bytes
 
@@ -49,14 +50,24 @@ class _Restore:
 
 class CheckpointManager:
     """The checkpoints of one strategy; ``strategy`` gives the ranks, the collectives, the module and the
-    ``CheckpointIO`` plugin, which Lightning sets on the strategy after it is built."""
+    ``CheckpointIO`` plugin, which Lightning sets on the strategy after it is built. The other arguments are the
+    strategy's options of those names, checked: ``timeout`` is that of the background saves' process group,
+    ``init_weights`` the weights a resume from a checkpoint without the frozen parameters takes them from."""
 
-    def __init__(self, strategy: ParallelStrategy, options: Options) -> None:
+    def __init__(
+        self,
+        strategy: ParallelStrategy,
+        *,
+        state_dict_type: StateDictType,
+        async_save: bool,
+        timeout: timedelta,
+        init_weights: Path | str | None,
+    ) -> None:
         self.strategy = strategy
-        self.state_dict_type = options.state_dict_type
-        self.async_save = options.async_save
-        self.timeout = options.timeout
-        self.init_weights = options.init_weights
+        self.state_dict_type = state_dict_type
+        self.async_save = async_save
+        self.timeout = timeout
+        self.init_weights = init_weights
         self.format: CheckpointFormat | None = None  # decided in setup(), or by the first save before any setup
         self.saves = background.BackgroundSave()
         self._saved_as: SavedFormat | None = None
@@ -78,17 +89,16 @@ class CheckpointManager:
         if self.format is None:  # a save before any setup (trainer.strategy.connect(model))
             model = self.strategy.model or self.strategy.lightning_module
             if model is None:
-                auto = self.state_dict_type == StateDictType.AUTO
-                return CheckpointFormat.FULL if auto else CheckpointFormat(self.state_dict_type.value)
+                return self.state_dict_type.checkpoint_format or CheckpointFormat.FULL
             self.format = self._choose_format(model)
         return self.format
 
     @property
     def saved_as(self) -> SavedFormat:
         """The format that saves write, picked for the decided ``checkpoint_format``."""
-        kind = format_named(self.checkpoint_format.value)
+        kind = format_named(self.checkpoint_format)
         if type(self._saved_as) is not kind:
-            self._saved_as = kind(self.strategy)
+            self._saved_as = kind(self.strategy, init_weights=self.init_weights)
         return self._saved_as
 
     def setup(self, model: nn.Module) -> None:
@@ -104,8 +114,8 @@ class CheckpointManager:
         )
 
     def _choose_format(self, model: nn.Module) -> CheckpointFormat:
-        if self.state_dict_type != StateDictType.AUTO:
-            return CheckpointFormat(self.state_dict_type.value)
+        if self.state_dict_type.checkpoint_format is not None:
+            return self.state_dict_type.checkpoint_format
         if not saving.is_default_checkpoint_io(self.strategy.checkpoint_io):
             return CheckpointFormat.FULL  # a CheckpointIO plugin writes single files, as it does under DDP
         # "auto": one file, as DDP writes and `load_from_checkpoint` reads, while rank 0 can hold the whole
@@ -113,14 +123,16 @@ class CheckpointManager:
         params = {id(p): p for p in model.parameters()}.values()
         estimate = 3 * sum(p.numel() * p.element_size() for p in params)  # weights + two optimizer states
         available = host_memory.available() if self.strategy.is_global_zero else None
-        chosen = self.strategy.broadcast("full" if available is None or estimate <= available // 4 else "sharded")
+        fits = available is None or estimate <= available // 4
+        chosen = self.strategy.broadcast(CheckpointFormat.FULL if fits else CheckpointFormat.SHARDED)
+        full = chosen == CheckpointFormat.FULL
         rank_zero_info(
-            f"{self.name}: checkpoints are {'single files' if chosen == 'full' else 'sharded directories'}"
+            f"{self.name}: checkpoints are {'single files' if full else 'sharded directories'}"
             f" (state_dict_type='auto': the full state, about {format_bytes(estimate)} with an optimizer like Adam,"
-            f" {'fits' if chosen == 'full' else 'does not fit'} in a quarter of rank 0's free host memory)."
+            f" {'fits' if full else 'does not fit'} in a quarter of rank 0's free host memory)."
             " Pass state_dict_type='full' or 'sharded' to choose."
         )
-        return CheckpointFormat(chosen)
+        return chosen
 
     # --- saving -----------------------------------------------------------------------------------
 
@@ -202,7 +214,7 @@ class CheckpointManager:
         strategy = self.strategy
         self.wait()
         where = location_of(strategy.broadcast(str(checkpoint_path)))
-        self.restore = _Restore(where.value, saved_format(where)(strategy))
+        self.restore = _Restore(where.value, saved_format(where)(strategy, init_weights=self.init_weights))
         return self.restore.format.load(where, checkpoint_path, weights_only=weights_only)
 
     def load_model_state(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -224,7 +236,7 @@ class CheckpointManager:
         # As DDP's `optimizer.load_state_dict`: the optimizers are not stepped to create their state first.
         model = self.strategy.model
         assert model is not None
-        loaded_as = self.restore.format if self.restore is not None else FullFormat(self.strategy)
+        loaded_as = self.restore.format if self.restore is not None else FullFormat(self.strategy, init_weights=None)
         loaded_as.load_optimizer_states(model, sharded_optimizers(self.strategy.optimizers), checkpoint)
 
     def _load_state_dict(self, state_dict: dict[str, Any], *, strict: bool) -> None:

@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.precision import (
     XLAPrecision,
 )
 from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from fsdp_strategy.plugins.clipping import clip_grad_norm
@@ -29,7 +30,9 @@ from fsdp_strategy.plugins.clipping import clip_grad_norm
 __all__ = [
     "FSDP2_PLUGINS",
     "SUPPORTED_PRECISIONS",
+    "forget_module",
     "precision_plugin_for",
+    "strategy_plugin",
     "translate_trainer_plugin",
 ]
 
@@ -178,3 +181,18 @@ def translate_trainer_plugin(plugin: Precision, *, strategy: str, explicit_mp_po
         )
     device_type = getattr(plugin, "device", "cuda" if torch.cuda.is_available() else "cpu")
     return precision_plugin_for(precision, device_type)
+
+
+def strategy_plugin(plugin: Precision, *, strategy: str, mp_policy: MixedPrecisionPolicy | None) -> Precision:
+    """The plugin a strategy keeps when ``plugin`` is set on it: one of :data:`FSDP2_PLUGINS` as it is; one of Lightning's own, which its connector builds from ``Trainer(precision=...)`` for a strategy it has no
+    plugin class for, translated by :func:`translate_trainer_plugin` (the same precision on shards, or the error
+    that names what is supported); ``mp_policy`` is the strategy's option."""
+    if isinstance(plugin, FSDP2_PLUGINS):
+        return plugin
+    return translate_trainer_plugin(plugin, strategy=strategy, explicit_mp_policy=mp_policy is not None)
+
+
+def forget_module(plugin: Precision | None) -> None:
+    """Drops the whole-parameter view a stage gave ``plugin``: it holds the module."""
+    if isinstance(plugin, FSDP2_PLUGINS):
+        plugin.hook_view = None

@@ -48,6 +48,12 @@ def data_parallel_world(world_size: int, tensor_parallel_size: int, processes_pe
     return world_size // tensor_parallel_size
 
 
+def data_parallel_sampler(world_size: int, global_rank: int, tensor_parallel_size: int) -> dict[str, int]:
+    """``DistributedSampler``'s ``num_replicas`` and ``rank`` for ``global_rank``: a tensor-parallel group's
+    consecutive ranks share one data-parallel rank, and its batches."""
+    return {"num_replicas": world_size // tensor_parallel_size, "rank": global_rank // tensor_parallel_size}
+
+
 def resolve_mesh_shape(
     world_size: int, *, replicate_size: int | None, shard_size: int | None, processes_per_node: int | None = None
 ) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from fsdp_strategy.checkpoint.formats.base import SavedFormat
 from fsdp_strategy.checkpoint.formats.full import FullFormat
 from fsdp_strategy.checkpoint.formats.sharded import ShardedFormat
 from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.modes import CheckpointFormat
 
 __all__ = ["FORMATS", "AdapterFormat", "FullFormat", "SavedFormat", "ShardedFormat", "format_named", "saved_format"]
 
@@ -24,8 +25,8 @@ FORMATS: tuple[type[SavedFormat], ...] = (AdapterFormat, ShardedFormat, FullForm
 so it is asked first; ``FullFormat``, which takes any file, is last."""
 
 
-def format_named(name: str) -> type[SavedFormat]:
-    """The format that ``state_dict_type=name`` saves."""
+def format_named(name: CheckpointFormat) -> type[SavedFormat]:
+    """The format that saves checkpoints of the decided ``state_dict_type`` ``name``."""
     return next(kind for kind in FORMATS if kind.name == name)
 
 

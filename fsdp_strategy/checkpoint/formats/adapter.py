@@ -12,6 +12,7 @@ A module without frozen parameters saves them all: the checkpoint is then a shar
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -32,6 +33,7 @@ from fsdp_strategy.checkpoint.errors import CheckpointError
 from fsdp_strategy.checkpoint.formats.sharded import ShardedFormat
 from fsdp_strategy.checkpoint.location import Location
 from fsdp_strategy.launch.rendezvous import on_rank_zero
+from fsdp_strategy.modes import CheckpointFormat
 from fsdp_strategy.sharding.unshard import plain_optimizers
 
 if TYPE_CHECKING:
@@ -41,15 +43,15 @@ __all__ = ["AdapterFormat"]
 
 
 class AdapterFormat(ShardedFormat):
-    name: ClassVar[str] = "adapter"
+    name: ClassVar[CheckpointFormat] = CheckpointFormat.ADAPTER
     single_file: ClassVar[bool] = False
     holds_frozen: ClassVar[bool] = False
 
     record: BaseRecord | None = None  # of the checkpoint loaded, or of the state taken for the next save
     _told: bool = False
 
-    def __init__(self, strategy: ParallelStrategy) -> None:
-        super().__init__(strategy)
+    def __init__(self, strategy: ParallelStrategy, *, init_weights: Path | str | None) -> None:
+        super().__init__(strategy, init_weights=init_weights)
         self._moments: dict[str, tuple[float, float]] = {}  # of the frozen parameters, which do not change
 
     @classmethod
@@ -60,10 +62,6 @@ class AdapterFormat(ShardedFormat):
             return storage.checkpoint_files(where).is_file(RECORD_NAME)
         except (OSError, ValueError):  # a manifest that cannot be read: ShardedFormat names what is wrong
             return False
-
-    @property
-    def init_weights(self) -> Any:
-        return self.strategy.options.init_weights  # type: ignore[attr-defined]
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         frozen = frozen_parameters(model, plain_optimizers(self.strategy.optimizers))

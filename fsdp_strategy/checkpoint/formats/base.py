@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
@@ -19,6 +20,7 @@ from torch.optim import Optimizer
 
 from fsdp_strategy.checkpoint.background import BackgroundSave
 from fsdp_strategy.checkpoint.location import Location
+from fsdp_strategy.modes import CheckpointFormat
 from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 
 if TYPE_CHECKING:
@@ -34,8 +36,8 @@ class SavedFormat(ABC):
     values yet take their state (after sharding).
     """
 
-    name: ClassVar[str]
-    """The ``state_dict_type`` that picks this format for saving."""
+    name: ClassVar[CheckpointFormat]
+    """The decided ``state_dict_type`` that picks this format for saving."""
 
     single_file: ClassVar[bool]
     """One file per checkpoint, which a ``CheckpointIO`` plugin can write as it does under DDP."""
@@ -44,8 +46,9 @@ class SavedFormat(ABC):
     """Whether the checkpoint holds the frozen parameters too; ``False``: a resume takes them from the module as
     built, or from ``init_weights``, which then are loaded before the checkpoint."""
 
-    def __init__(self, strategy: ParallelStrategy) -> None:
+    def __init__(self, strategy: ParallelStrategy, *, init_weights: Path | str | None) -> None:
         self.strategy = strategy
+        self.init_weights = init_weights  # the strategy's option: where a resume takes the frozen parameters from
 
     @classmethod
     @abstractmethod

@@ -14,13 +14,14 @@ from fsdp_strategy.checkpoint.background import BackgroundSave, live_storages
 from fsdp_strategy.checkpoint.formats.base import SavedFormat
 from fsdp_strategy.checkpoint.layout import gather_dtensors
 from fsdp_strategy.checkpoint.location import Location, location_of
+from fsdp_strategy.modes import CheckpointFormat
 from fsdp_strategy.sharding.unshard import plain_optimizers
 
 __all__ = ["FullFormat"]
 
 
 class FullFormat(SavedFormat):
-    name: ClassVar[str] = "full"
+    name: ClassVar[CheckpointFormat] = CheckpointFormat.FULL
     single_file: ClassVar[bool] = True
 
     @classmethod

@@ -15,12 +15,13 @@ from fsdp_strategy.checkpoint.errors import CheckpointError
 from fsdp_strategy.checkpoint.formats.base import SavedFormat
 from fsdp_strategy.checkpoint.location import Location
 from fsdp_strategy.launch.rendezvous import on_rank_zero
+from fsdp_strategy.modes import CheckpointFormat
 
 __all__ = ["ShardedFormat"]
 
 
 class ShardedFormat(SavedFormat):
-    name: ClassVar[str] = "sharded"
+    name: ClassVar[CheckpointFormat] = CheckpointFormat.SHARDED
     single_file: ClassVar[bool] = False
 
     files: storage.CheckpointFiles | None = None  # of the checkpoint loaded; its optimizer states are read after setup
