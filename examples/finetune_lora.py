@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def save_base_model(folder: Path, seed: int) -> None:
-    """The pretrained model of this example: a 3.5 MB Llama, written as ``save_pretrained`` writes it."""
+    """The pretrained model of this example: a 3 MB Llama, written as ``save_pretrained`` writes it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -116,7 +116,9 @@ class LoraFinetune(L.LightningModule):
         return torch.optim.AdamW(trainable, lr=self.hparams.learning_rate)
 
 
-class FirstAndLastLoss(L.Callback):
+class StepLosses(L.Callback):
+    """Each step's loss, averaged over the ranks."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
 
@@ -140,7 +142,7 @@ def main() -> None:
         meta_init=True,  # configure_model builds the model without memory; init_weights fills it
         state_dict_type="adapter",  # checkpoints hold what training changes, not the frozen base
     )
-    losses = FirstAndLastLoss()
+    losses = StepLosses()
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=args.devices or (torch.cuda.device_count() if on_gpu else 2),
