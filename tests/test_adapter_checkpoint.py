@@ -19,6 +19,7 @@ from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.formats import AdapterFormat, saved_format
 from fsdp_strategy.checkpoint.storage import checkpoint_files
 from testkit import full
+from testkit.hf import TINY_LLAMA, PretrainedLlama, save_tiny_llama
 from testkit.models import TinyLM, token_loader
 
 FROZEN = ("embed.weight", "head.weight", "blocks.0.")  # the tied embedding and the first block
@@ -250,3 +251,45 @@ def test_the_first_save_says_what_adapter_checkpoints_hold(trainer_env, tmp_path
     kept = sum(p.numel() for p in module.parameters() if p.requires_grad)
     told = f"adapter checkpoints hold {kept:,} of the {total:,} parameters ({kept / total:.2%}) and their optimizer"
     assert told in caplog.text
+
+
+class FrozenEmbeddingLlama(PretrainedLlama):
+    """A Hugging Face Llama built from its config, its embedding frozen: the base comes from ``init_weights``."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.model.embed_tokens.requires_grad_(False)
+
+
+def test_a_hugging_face_weights_directory_as_init_weights_is_recorded_by_its_files_content(
+    trainer_env, tmp_path
+) -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    base, other = save_tiny_llama(str(tmp_path / "base")), save_tiny_llama(str(tmp_path / "other"), seed=1)
+    config = LlamaConfig(**TINY_LLAMA).to_dict()
+    data = token_loader(batch_size=4, samples=16)
+    trained = FrozenEmbeddingLlama(config)
+    fit = trainer(tmp_path, FSDP2Strategy(state_dict_type="adapter", init_weights=base, meta_init=True), steps=2)
+    fit.fit(trained, data)
+    fit.save_checkpoint(tmp_path / "adapter.ckpt")
+    record = json.loads((tmp_path / "adapter.ckpt" / "adapter.json").read_text())
+    assert record["init_weights"]["path"] == base and len(record["init_weights"]["sha256"]) == 64
+    assert "model.model.embed_tokens.weight" in record["frozen"]
+
+    def resume_on(weights: str) -> StartState:
+        trainer_env.fresh()
+        start = StartState()
+        strategy = FSDP2Strategy(init_weights=weights, meta_init=True)
+        trainer(tmp_path, strategy, steps=3, callbacks=[start]).fit(
+            FrozenEmbeddingLlama(config), data, ckpt_path=tmp_path / "adapter.ckpt"
+        )
+        return start
+
+    start = resume_on(base)
+    assert all(torch.equal(start.params[name], p) for name, p in trained.named_parameters()), "parameters"
+    with pytest.raises(CheckpointError) as refused:
+        resume_on(other)  # the same names and shapes, other values
+    assert f"was trained on `init_weights` '{base}' (sha256 {record['init_weights']['sha256']})" in str(refused.value)
+    assert f"this run's `init_weights` is '{other}' (sha256 " in str(refused.value)

@@ -3,9 +3,10 @@ directory, plain JSON (read without unpickling anything), which also tells the f
 
 It names each frozen parameter left out (shape and dtype, and where the values come from the module as built, the
 float64 sum and sum of squares of its values, taken once per run), and the ``init_weights`` file the run started
-from with the SHA-256 of its bytes. The bytes, not a header and sizes: a base fine-tuned further keeps its names,
-shapes and sizes, and only its values tell it apart, which is what a resume must not mix up. Hashing is one
-sequential read of the file, once per file and process (rank 0), at the first save and at a resume.
+from with the SHA-256 of its bytes (a Hugging Face weights directory: of its safetensors files and index, in name
+order). The bytes, not a header and sizes: a base fine-tuned further keeps its names, shapes and sizes, and only
+its values tell it apart, which is what a resume must not mix up. Hashing is one sequential read of the files, once
+per source and process (rank 0), at the first save and at a resume.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.optim import Optimizer
 
 from fsdp_strategy.checkpoint.errors import CheckpointError, damaged
 from fsdp_strategy.checkpoint.location import location_of
+from fsdp_strategy.checkpoint.pretrained import INDEX_NAME, is_weights_directory, weight_files
 from fsdp_strategy.checkpoint.storage import CheckpointFiles, read_checkpoint_file
 
 __all__ = [
@@ -40,7 +42,7 @@ __all__ = [
 RECORD_NAME = "adapter.json"
 _FORMAT = "fsdp_strategy/adapter-checkpoint"
 _CHUNK_BYTES = 16 * 2**20
-_hashes: dict[tuple[str, float], str] = {}
+_hashes: dict[tuple[str, Any], str] = {}
 
 
 @dataclass(frozen=True)
@@ -115,16 +117,32 @@ def _same_values(saved: tuple[float, float], built: tuple[float, float], count: 
 
 
 def weights_hash(path: Path | str) -> str:
-    """The SHA-256 of the bytes of the weights file ``path`` (a local path or a URL), hashed once per process."""
+    """The SHA-256 of the bytes of the weights ``path``, hashed once per process: a file (a local path or a URL), or
+    a Hugging Face weights directory, whose safetensors files and index are hashed in name order."""
+    if is_weights_directory(path):
+        files = sorted({*weight_files(path).values(), *([INDEX_NAME] if (Path(path) / INDEX_NAME).is_file() else [])})
+        key = (str(Path(path).resolve()), tuple((name, (Path(path) / name).stat().st_mtime) for name in files))
+        if key not in _hashes:
+            digest = hashlib.sha256()
+            for name in files:  # each file behind its name and size: where one ends is part of the content
+                digest.update(f"{name}\0{(Path(path) / name).stat().st_size}\0".encode())
+                with open(Path(path) / name, "rb") as file:
+                    _read_into(digest, file)
+            _hashes[key] = digest.hexdigest()
+        return _hashes[key]
     where = location_of(path)
     key = (str(where), where.modified())
     if key not in _hashes:
         digest = hashlib.sha256()
         with where.open("rb") as file:
-            while chunk := file.read(_CHUNK_BYTES):
-                digest.update(chunk)
+            _read_into(digest, file)
         _hashes[key] = digest.hexdigest()
     return _hashes[key]
+
+
+def _read_into(digest: Any, file: Any) -> None:
+    while chunk := file.read(_CHUNK_BYTES):
+        digest.update(chunk)
 
 
 def check_base(record: BaseRecord, init_weights: Path | str | None, module: nn.Module, *, checkpoint: Any) -> None:
