@@ -1,11 +1,12 @@
-"""A sharded checkpoint moved between layouts on 4 gloo ranks: the GPT of ``testkit.tensor_parallel`` trained on
-2 data x 2 tensor ranks (``tensor_parallel_size=2``, split and sharded in ``configure_model``) and plain on 4 data
-ranks (1-D ``fsdp2``), each resumed in the other layout.
+"""A checkpoint moved between layouts on 4 gloo ranks: the GPT of ``testkit.tensor_parallel`` trained on 2 data x 2
+tensor ranks (``tensor_parallel_size=2``, split and sharded in ``configure_model``), plain on 4 data ranks (1-D
+``fsdp2``), or plain under ``strategy="ddp"`` (Lightning's single ``.ckpt`` file), each resumable in another layout.
 
-``--layout`` ``2x2`` or ``4x1``; ``--steps`` the step to train to; ``--resume`` a checkpoint to resume from;
-``--save`` where to save a sharded checkpoint at the end. Every layout reads the same global batches of 8 samples
-(4 per data-parallel rank at 2x2, 2 at 4x1), two per epoch. Rank 0 writes to ``--out`` the full parameters at the
-first step and at the end, and AdamW's step counts.
+``--layout`` ``2x2``, ``4x1`` or ``ddp``; ``--steps`` the step to train to; ``--resume`` a checkpoint to resume
+from; ``--save`` where to save a checkpoint (sharded under ``fsdp2``) at the end of the first epoch, step 2, while
+training goes on uninterrupted to ``--steps``. Every layout reads the same global batches of 8 samples (4 per
+data-parallel rank at 2x2, 2 at 4x1 and ddp), two per epoch. Rank 0 writes to ``--out`` the full parameters at
+the first step, at the save and at the end, and AdamW's step counts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
 
 GLOBAL_BATCH = 8
+STEPS_PER_EPOCH = 2
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,16 +44,32 @@ class ParamsAtStart(L.Callback):
         self.params = full_params(pl_module)
 
 
+class SaveAfterFirstEpoch(L.Callback):
+    """Saves where ``ModelCheckpoint`` would at the end of the first epoch, and keeps the parameters saved."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.params: dict[str, torch.Tensor] = {}
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.path and trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+            self.params = full_params(pl_module)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=["2x2", "4x1"], required=True)
+    parser.add_argument("--layout", choices=["2x2", "4x1", "ddp"], required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--resume")
     parser.add_argument("--save")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     tensor = 2 if args.layout == "2x2" else 1
-    strategy = fsdp_strategy.FSDP2Strategy(tensor_parallel_size=tensor, state_dict_type="sharded")
+    if args.layout == "ddp":
+        strategy = "ddp"
+    else:
+        strategy = fsdp_strategy.FSDP2Strategy(tensor_parallel_size=tensor, state_dict_type="sharded")
     L.seed_everything(42)
     model = TensorParallelGPT("tp_fsdp" if tensor == 2 else "none")
     trainer = L.Trainer(
@@ -63,17 +81,16 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[at_start := ParamsAtStart()],
+        callbacks=[at_start := ParamsAtStart(), saved := SaveAfterFirstEpoch(args.save)],
     )
-    loader = DataLoader(token_dataset(2 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // (4 // tensor))
+    per_rank = GLOBAL_BATCH // (4 // tensor)
+    loader = DataLoader(token_dataset(STEPS_PER_EPOCH * GLOBAL_BATCH), batch_size=per_rank)
     trainer.fit(model, loader, ckpt_path=args.resume)
-    if args.save:
-        trainer.save_checkpoint(args.save)
     params = full_params(model)
     # AdamW's own step count: 4 after resuming a checkpoint of step 2 only if its state was loaded.
     adam_steps = {float(state["step"]) for state in trainer.optimizers[0].state.values()}
     if dist.get_rank() == 0:
-        result = {"params": params, "at_start": at_start.params, "adam_steps": adam_steps}
+        result = {"params": params, "at_start": at_start.params, "saved": saved.params, "adam_steps": adam_steps}
         torch.save({**result, "global_step": trainer.global_step}, args.out)
 
 

@@ -7,7 +7,8 @@ Each run is ``strategy/parallelize/clip`` (``--runs``):
   ``model_parallel`` (Lightning's ``ModelParallelStrategy(data_parallel_size=world/2, tensor_parallel_size=2)``);
 * parallelize: the module's ``configure_model`` (``TensorParallelGPT(parallelize=...)``): ``tp_fsdp``, ``tp``, ``none``;
   or ``hf``: a tiny Hugging Face Llama (``testkit.hf.TinyLlama``) without ``configure_model``, split by its own
-  ``base_model_tp_plan`` under ``fsdp2_tp``;
+  ``base_model_tp_plan`` under ``fsdp2_tp``; or ``example``: ``testkit.llama_tensor_parallel``, a module shaped as
+  Lightning's own tensor-parallel example;
 * clip: ``clip`` (``gradient_clip_val=0.05``, which clips every step here) or ``noclip`` (Lightning's
   ``ModelParallelStrategy`` cannot clip gradients on two meshes).
 
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader
 
 import fsdp_strategy
 from testkit.hf import TinyLlama
+from testkit.llama_tensor_parallel import TensorParallelLlama
 from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
 
@@ -56,6 +58,8 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
     L.seed_everything(42)
     if parallelize == "hf":
         model: L.LightningModule = TinyLlama()
+    elif parallelize == "example":
+        model = TensorParallelLlama()
     else:
         model = RecordedGPT(parallelize, record_norms=strategy_name != "model_parallel")
     trainer = L.Trainer(

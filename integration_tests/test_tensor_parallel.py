@@ -5,7 +5,11 @@ A GPT written for Lightning's ``ModelParallelStrategy`` (its ``configure_model``
 ``fsdp2``: to the parameters of the same GPT, plain, under 1-D ``fsdp2`` on 2 ranks (the same global batches), with
 gradient clipping and Lightning's ``grad_norm`` on the full gradients; and, without clipping (which
 ``ModelParallelStrategy`` cannot do on two meshes), to the parameters and loss of ``ModelParallelStrategy`` itself.
-A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``.
+A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``. A Llama-like
+module shaped as Lightning's own tensor-parallel example (``testkit.llama_tensor_parallel``: a ``parallelize``
+function of ``self.device_mesh`` in ``configure_model``, ``fully_shard`` per block) trains under
+``FSDP2Strategy(tensor_parallel_size=2)`` as under ``ModelParallelStrategy(data_parallel_size=2,
+tensor_parallel_size=2)``, which runs on CPU over gloo in Lightning 2.6.6.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ FOUR_RANKS = [
     "fsdp2_tp/tp_fsdp/noclip",
     "model_parallel/tp_fsdp/noclip",
     "fsdp2_tp/hf/clip",
+    "fsdp2_tp/example/noclip",
+    "model_parallel/example/noclip",
 ]
 REFERENCE = "fsdp2/none/clip"
 LLAMA_REFERENCE = "fsdp2/hf/clip"
@@ -74,3 +80,11 @@ def test_a_hugging_face_model_is_split_by_its_own_plan_to_the_parameters_of_a_on
     # of the largest weight of some MLP projections): within 1e-5, absolute.
     assert max_absolute_difference(tensor_parallel["params"], reference["params"]) <= 1e-5
     assert tensor_parallel["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+
+
+def test_a_module_shaped_as_lightnings_tensor_parallel_example_trains_as_under_model_parallel_strategy(results):
+    ours, lightnings = results["fsdp2_tp/example/noclip"], results["model_parallel/example/noclip"]
+    assert ours["params"].keys() == lightnings["params"].keys()
+    assert max_relative_difference(ours["params"], lightnings["params"]) <= 1e-5  # measured: 0.0, the same collectives
+    assert ours["loss"] == pytest.approx(lightnings["loss"], rel=1e-5)
+    assert ours["samplers"] == lightnings["samplers"]

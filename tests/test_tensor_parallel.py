@@ -1,6 +1,6 @@
 """``tensor_parallel_size``: the option's checks, the data-parallel mesh shape it leaves, the sampler over
-data-parallel ranks, clipping by norm over gradients on several device meshes, and the plans applied for a module
-(1-rank gloo group)."""
+data-parallel ranks, clipping by norm over gradients on several device meshes, the plans applied for a module, and a
+single-file checkpoint loaded into a module that holds DTensors from its ``configure_model`` (1-rank gloo group)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.utils.data import DataLoader
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.plugins.clipping import clip_grad_norm, total_grad_norm
@@ -23,6 +25,8 @@ from fsdp_strategy.sharding.mesh import (
     tensor_parallel_mesh,
 )
 from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan
+from testkit.models import token_dataset
+from testkit.tensor_parallel import TensorParallelGPT
 
 
 def cpu_trainer(**kwargs) -> L.Trainer:
@@ -161,3 +165,35 @@ def test_a_plan_style_without_a_torch_twin_is_refused_by_name(single_rank_group)
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM])
+
+
+class ShardedInConfigureModel(TensorParallelGPT):
+    """Shards itself in ``configure_model``, as for ModelParallelStrategy: it holds DTensors when a checkpoint loads."""
+
+    def configure_model(self) -> None:
+        for block in self.model.blocks:
+            fully_shard(block, mesh=self.device_mesh)
+        fully_shard(self.model, mesh=self.device_mesh)
+
+
+class FullParamsAtStart(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.params = {name: p.full_tensor().detach().clone() for name, p in pl_module.named_parameters()}
+
+
+def test_a_single_file_checkpoint_loads_into_a_module_sharded_in_configure_model(trainer_env, tmp_path):
+    loader = DataLoader(token_dataset(8), batch_size=4)
+    saving = TensorParallelGPT("none")
+    cpu_trainer(devices=1, max_steps=1, enable_checkpointing=False).fit(saving, loader)
+    saving.trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    trainer_env.fresh()
+    resumed = ShardedInConfigureModel()
+    trainer = cpu_trainer(
+        devices=1, strategy=FSDP2Strategy(), max_steps=2, enable_checkpointing=False, callbacks=[FullParamsAtStart()]
+    )
+    trainer.fit(resumed, loader, ckpt_path=tmp_path / "plain.ckpt")
+    at_start = trainer.callbacks[0].params
+    assert at_start.keys() == dict(saving.named_parameters()).keys()
+    for name, param in saving.named_parameters():
+        assert torch.equal(at_start[name], param.detach()), name
+    assert {float(state["step"]) for state in trainer.optimizers[0].state.values()} == {2.0}

@@ -29,6 +29,7 @@ from fsdp_strategy.checkpoint.peft_record import PEFT_KEY, peft_record
 from fsdp_strategy.checkpoint.staging import remove_stale_staging, staging_token
 from fsdp_strategy.launch.rendezvous import all_ranks_agree, on_rank_zero
 from fsdp_strategy.modes import CheckpointFormat, StateDictType
+from fsdp_strategy.sharding.parallelize import load_full_tensors_into_shards
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.sizes import format_bytes
 
@@ -242,12 +243,18 @@ class CheckpointManager:
     def _load_state_dict(self, state_dict: dict[str, Any], *, strict: bool) -> None:
         module = self.strategy.lightning_module
         assert module is not None
+        # A module its `configure_model` split or sharded (ModelParallelStrategy's way) holds DTensors before the
+        # stage registers its own hooks: each rank takes its slices of the whole tensors a single file holds.
+        slicing = load_full_tensors_into_shards(module)
         try:
             module.load_state_dict(state_dict, strict=strict)
         except RuntimeError as error:  # torch's "Error(s) in loading state_dict": name the checkpoint and the keys
             path = self.restore.path if self.restore is not None else "<checkpoint>"
             state_dicts.check_full_state_dict(module, state_dict, strict=strict, path=path)
             raise error
+        finally:
+            for handle in slicing:
+                handle.remove()
 
     def init_weights_loader(self) -> Callable[[nn.Module], None] | None:
         """What loads ``init_weights`` into the sharded module; ``None`` without them or when a checkpoint to
