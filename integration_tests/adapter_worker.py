@@ -19,23 +19,11 @@ import torch
 
 import fsdp_strategy
 from testkit import full
+from testkit.callbacks import StartState
 from testkit.hf import LoraLlama
 from testkit.models import token_loader
 
 STEPS, MORE_STEPS = 3, 2
-
-
-class StartState(L.Callback):
-    """The parameters and optimizer state a run starts from, whole, by name."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        self.params = {name: full(p).detach().clone() for name, p in pl_module.named_parameters()}
-        self.optimizer = {
-            name: {key: full(value).clone() for key, value in optimizer.state[p].items()}
-            for name, p in pl_module.named_parameters()
-            if p in optimizer.state
-        }
 
 
 def trainer(kind: str, steps: int, root: Path, callbacks: list[Any] | None = None) -> L.Trainer:

@@ -1,4 +1,4 @@
-"""A callback and a CheckpointIO plugin that tests use to change or watch a run from outside the module."""
+"""Callbacks and a CheckpointIO plugin that tests use to change or watch a run from outside the module."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import lightning as L
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-__all__ = ["DropGradsAt", "RecordingIO"]
+from testkit.distributed import full
+
+__all__ = ["DropGradsAt", "RecordingIO", "StartState"]
 
 
 class DropGradsAt(L.Callback):
@@ -47,3 +49,16 @@ class RecordingIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.calls.append(("teardown",))
+
+
+class StartState(L.Callback):
+    """The parameters and optimizer state a (resumed) run starts from, whole, by name: what two resumes compare."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        self.params = {name: full(p).detach().clone() for name, p in pl_module.named_parameters()}
+        self.optimizer = {
+            name: {key: full(value).clone() for key, value in optimizer.state[p].items()}
+            for name, p in pl_module.named_parameters()
+            if p in optimizer.state
+        }

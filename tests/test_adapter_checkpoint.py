@@ -18,7 +18,7 @@ from fsdp_strategy.checkpoint import storage
 from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.formats import AdapterFormat, saved_format
 from fsdp_strategy.checkpoint.storage import checkpoint_files
-from testkit import full
+from testkit.callbacks import StartState
 from testkit.hf import TINY_LLAMA, PretrainedLlama, save_tiny_llama
 from testkit.models import TinyLM, token_loader
 
@@ -33,19 +33,6 @@ class FrozenBaseLM(TinyLM):
         if freeze:
             self.embed.requires_grad_(False)
             self.blocks[0].requires_grad_(False)
-
-
-class StartState(L.Callback):
-    """The parameters and optimizer state a resumed run starts from, by name."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        self.params = {name: full(p).detach().clone() for name, p in pl_module.named_parameters()}
-        self.optimizer = {
-            name: {key: full(value).clone() for key, value in optimizer.state[p].items()}
-            for name, p in pl_module.named_parameters()
-            if p in optimizer.state
-        }
 
 
 def trainer(root: Path, strategy: FSDP2Strategy, *, steps: int, callbacks: list | None = None) -> L.Trainer:

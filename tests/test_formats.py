@@ -17,6 +17,7 @@ from fsdp_strategy.checkpoint import formats, storage, writing
 from fsdp_strategy.checkpoint.formats import FullFormat, SavedFormat, ShardedFormat, format_named, saved_format
 from fsdp_strategy.checkpoint.location import Location
 from testkit import full
+from testkit.callbacks import StartState
 from testkit.models import TinyLM, token_loader
 
 
@@ -58,18 +59,6 @@ def test_a_new_format_is_one_subclass_registered_before_the_full_one(monkeypatch
     assert saved_format(tmp_path / "model.ckpt") is FullFormat
     with pytest.raises(TypeError, match="abstract"):
         type("Unfinished", (SavedFormat,), {"name": "unfinished", "single_file": True})(strategy=None)
-
-
-class StartState(L.Callback):
-    """The parameters and optimizer state a resumed run starts from, by name."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        self.params = {name: full(p).detach().clone() for name, p in pl_module.named_parameters()}
-        self.optimizer = {
-            name: {key: full(value).clone() for key, value in optimizer.state[p].items()}
-            for name, p in pl_module.named_parameters()
-        }
 
 
 def resume(tmp_path, path, *, empty_init: bool) -> StartState:  # type: ignore[no-untyped-def]
