@@ -3,8 +3,8 @@ tensor ranks (``tensor_parallel_size=2``, split and sharded in ``configure_model
 ``fsdp2``), or plain under ``strategy="ddp"`` (Lightning's single ``.ckpt`` file), each resumable in another layout.
 
 ``--layout`` ``2x2``, ``4x1`` or ``ddp``; ``--steps`` the step to train to; ``--resume`` a checkpoint to resume
-from; ``--save`` where to save a checkpoint (sharded under ``fsdp2``) at the end of the first epoch, step 2, while
-training goes on uninterrupted to ``--steps``. Every layout reads the same global batches of 8 samples (4 per
+from; ``--save`` where to save a checkpoint (sharded under ``fsdp2``) after step 2, where
+``ModelCheckpoint(every_n_train_steps=2)`` saves, while training goes on uninterrupted to ``--steps``. Every layout reads the same global batches of 8 samples (4 per
 data-parallel rank at 2x2, 2 at 4x1 and ddp), two per epoch. Rank 0 writes to ``--out`` the full parameters at
 the first step, at the save and at the end, and AdamW's step counts.
 """
@@ -44,15 +44,17 @@ class ParamsAtStart(L.Callback):
         self.params = full_params(pl_module)
 
 
-class SaveAfterFirstEpoch(L.Callback):
-    """Saves where ``ModelCheckpoint`` would at the end of the first epoch, and keeps the parameters saved."""
+class SaveAtStepTwo(L.Callback):
+    """Saves where ``ModelCheckpoint(every_n_train_steps=2)`` does, and keeps the parameters saved. (Not in
+    ``on_train_epoch_end``: Lightning resumes a checkpoint saved there, before it counts the epoch done, one
+    shuffled batch off, under DDP too.)"""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self.params: dict[str, torch.Tensor] = {}
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.path and trainer.current_epoch == 0:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: object) -> None:
+        if self.path and trainer.global_step == 2:
             trainer.save_checkpoint(self.path)
             self.params = full_params(pl_module)
 
@@ -81,7 +83,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[at_start := ParamsAtStart(), saved := SaveAfterFirstEpoch(args.save)],
+        callbacks=[at_start := ParamsAtStart(), saved := SaveAtStepTwo(args.save)],
     )
     per_rank = GLOBAL_BATCH // (4 // tensor)
     loader = DataLoader(token_dataset(STEPS_PER_EPOCH * GLOBAL_BATCH), batch_size=per_rank)

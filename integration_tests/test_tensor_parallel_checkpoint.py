@@ -2,11 +2,11 @@
 ``strategy="ddp"`` on 4 gloo ranks: Distributed Checkpoint reshards the DTensors of either sharded layout into the
 other's, and DDP's single ``.ckpt`` file is split into the 2x2 layout's shards, AdamW's state with the weights.
 
-Each layout trains 4 steps and saves at step 2 on the way (the end of the first epoch); each checkpoint is resumed
-in another layout to step 4. A resumed run starts from exactly the parameters its checkpoint holds, AdamW's state
-comes along (its step count), and it ends where DDP resumed from its own checkpoint ends: DDP is the reference, since
-under DDP too a resume from that checkpoint ends ~1e-2 away from the run that saved it and went on. ``consolidate`` turns the 2x2 and the 4x1
-checkpoints into the same file, which holds what DDP's file holds.
+Each layout trains 4 steps and saves at step 2 on the way (where ``ModelCheckpoint(every_n_train_steps=2)``
+saves); each checkpoint is resumed in another layout to step 4. A resumed run starts from exactly the parameters its
+checkpoint holds, AdamW's state comes along (its step count), and it ends where DDP resumed from its own checkpoint
+ends, which is where DDP's uninterrupted run ends. ``consolidate`` turns the 2x2 and the 4x1 checkpoints into the
+same file, which holds what DDP's file holds.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def test_every_layout_trains_as_ddp(results: dict) -> None:
     for layout in ("2x2", "4x1"):
         assert max_absolute_difference(results[layout]["saved"], results["ddp"]["saved"]) <= LAYOUT_TOLERANCE
         assert max_absolute_difference(results[layout]["params"], results["ddp"]["params"]) <= LAYOUT_TOLERANCE
+
+
+def test_ddps_resume_ends_where_its_uninterrupted_run_ends(results: dict) -> None:
+    # The reference below is only one if resuming loses nothing: the same batches, AdamW's moments, the step.
+    assert max_absolute_difference(results["ddp from ddp"]["params"], results["ddp"]["params"]) <= RESUME_TOLERANCE
 
 
 @pytest.mark.parametrize(
