@@ -288,7 +288,9 @@ class Options:
         default=False,
         check=_bool,
         help="reduce-scatter on every micro-batch of gradient accumulation (less memory, more communication); by"
-        " default gradients accumulate unsharded and are reduced once per optimizer step",
+        " default gradients accumulate unsharded and are reduced once per optimizer step. Under hybrid sharding the"
+        " all-reduce across replicas still runs once per optimizer step, on the summed shards, so `param.grad` is"
+        " written on the last micro-batch only",
     )
     compile_blocks: bool | str = _option(
         accepts=bool | str,

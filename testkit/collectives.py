@@ -35,6 +35,15 @@ _OPS = {
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "broadcast_": ("broadcast", 0),
 }
+# DTensor's redistributions (tensor parallelism) use the functional collectives, which name their group by a str;
+# their input is the argument 0, and an all-gather's output is its input times the group size (argument 1).
+_FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+}
 
 
 @dataclass(frozen=True)
@@ -42,13 +51,12 @@ class Collective:
     kind: str  # all_reduce, all_gather, reduce_scatter, broadcast
     nbytes: int
     group: str  # the process group's name (DeviceMesh.get_group(dim).group_name)
-    group_size: int  # ranks taking part
     floating: bool  # gradients and parameters, not the int64 records of bookkeeping
     step: int = 0  # the optimizer step it belongs to (CountCollectives)
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Records each ``c10d`` collective dispatched on this thread while active, in ``records``."""
+    """Records each collective (``c10d`` and functional) dispatched on this thread while active, in ``records``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,22 +64,33 @@ class CollectiveCounter(TorchDispatchMode):
         self.step = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        known = _OPS.get(func._overloadpacket.__name__) if func.namespace == "c10d" else None
-        if known is not None:
-            kind, index = known
-            tensors = [t for t in tree_leaves(args[index]) if isinstance(t, torch.Tensor)]
-            group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
-            self.records.append(
-                Collective(
-                    kind,
-                    sum(t.numel() * t.element_size() for t in tensors),
-                    group.group_name,
-                    group.size(),
-                    all(t.is_floating_point() for t in tensors),
-                    self.step,
-                )
-            )
+        found = self._c10d(func, args) if func.namespace == "c10d" else None
+        if func.namespace == "_c10d_functional":
+            found = self._functional(func, args)
+        if found is not None:
+            kind, tensors, group, nbytes = found
+            floating = all(t.is_floating_point() for t in tensors)
+            self.records.append(Collective(kind, nbytes, group, floating, self.step))
         return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _c10d(func, args):  # type: ignore[no-untyped-def]
+        known = _OPS.get(func._overloadpacket.__name__)
+        if known is None:
+            return None
+        kind, index = known
+        tensors = [t for t in tree_leaves(args[index]) if isinstance(t, torch.Tensor)]
+        group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
+        return kind, tensors, group.group_name, sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def _functional(func, args):  # type: ignore[no-untyped-def]
+        kind = _FUNCTIONAL_OPS.get(func._overloadpacket.__name__)
+        if kind is None:
+            return None
+        tensors = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) * (args[1] if kind == "all_gather" else 1)
+        return kind, tensors, args[-1], nbytes
 
 
 def bytes_by_kind(records: Iterable[Collective]) -> dict[str, int]:
@@ -104,7 +123,8 @@ class CountCollectives(L.Callback):
 
     def over_mesh(self, mesh: DeviceMesh | None) -> dict[str, list[int]]:
         """``"dim/kind"``: :meth:`per_step` of all-reduces and reduce-scatters over each dimension of ``mesh``
-        (this rank's groups); empty without a mesh (DDP)."""
+        (this rank's groups); empty without a mesh (DDP). Groups are told apart by name: DTensor may run a later
+        fit's tensor-parallel collectives over the groups of an earlier, equal mesh of the same process."""
         counts = {}
         for dim in (mesh.mesh_dim_names or ()) if mesh is not None else ():
             for kind in ("all_reduce", "reduce_scatter"):
