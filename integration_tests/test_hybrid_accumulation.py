@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fsdp_strategy.estimator.model_state import estimate_module
 from integration_tests.conftest import launch, max_relative_difference, torchrun
+from testkit.models import TinyLM
 
 ACCUMULATE = 4
 
@@ -84,3 +86,23 @@ def test_parameters_used_in_early_micro_batches_only_train_as_with_find_unused_p
     sharded = results["fsdp2_hybrid_sync/moe_sgd_accumulate4"]
     reference = results["ddp_find_unused_parameters_true/moe_sgd_accumulate4"]
     assert max_relative_difference(sharded["params"], reference["params"]) <= 1e-5
+
+
+def test_the_estimate_counts_the_bytes_issued(results: dict) -> None:
+    # TinyLM under the same options, estimated from its shapes; the runs' steps with all 4 micro-batches.
+    with torch.device("meta"):
+        model = TinyLM(optimizer="sgd")
+    for run, sync in (("fsdp2_replicate2_sync", True), ("fsdp2_replicate2", False)):
+        measured = results[f"{run}/sgd_accumulate4"]["collectives_per_step"]
+        estimate = estimate_module(
+            model,
+            strategy="fsdp2_hybrid",
+            world_size=4,
+            processes_per_node=2,
+            precision="32-true",
+            optimizer="sgd",
+            accumulate_grad_batches=ACCUMULATE,
+            sync_grads_each_micro_batch=sync,
+        )
+        assert set(measured["dp_shard/reduce_scatter/bytes"]) == {estimate.reduce_scatter_bytes}, run
+        assert set(measured["dp_replicate/all_reduce/bytes"]) == {estimate.all_reduce_bytes}, run

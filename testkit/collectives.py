@@ -116,19 +116,24 @@ class CountCollectives(L.Callback):
     def records(self) -> list[Collective]:
         return self.counter.records
 
-    def per_step(self, kind: str, group: str) -> list[int]:
-        """How many collectives of ``kind`` on floating-point tensors went over ``group`` in each optimizer step."""
-        steps = [r.step for r in self.records if r.kind == kind and r.group == group and r.floating]
-        return [steps.count(step) for step in range(max(r.step for r in self.records) + 1)] if self.records else []
+    def per_step(self, kind: str, group: str, *, nbytes: bool = False) -> list[int]:
+        """How many collectives of ``kind`` on floating-point tensors went over ``group`` in each optimizer step;
+        with ``nbytes``, their bytes."""
+        steps = [0] * (max((r.step for r in self.records), default=-1) + 1)
+        for r in self.records:
+            if r.kind == kind and r.group == group and r.floating:
+                steps[r.step] += r.nbytes if nbytes else 1
+        return steps
 
     def over_mesh(self, mesh: DeviceMesh | None) -> dict[str, list[int]]:
-        """``"dim/kind"``: :meth:`per_step` of all-reduces and reduce-scatters over each dimension of ``mesh``
-        (this rank's groups); empty without a mesh (DDP). Groups are told apart by name: DTensor may run a later
+        """``"dim/kind"`` and ``"dim/kind/bytes"``: :meth:`per_step` of all-reduces and reduce-scatters over each
+        dimension of ``mesh`` (this rank's groups); empty without a mesh (DDP). Groups are told apart by name: DTensor may run a later
         fit's tensor-parallel collectives over the groups of an earlier, equal mesh of the same process."""
         counts = {}
         for dim in (mesh.mesh_dim_names or ()) if mesh is not None else ():
             for kind in ("all_reduce", "reduce_scatter"):
                 counts[f"{dim}/{kind}"] = self.per_step(kind, mesh.get_group(dim).group_name)
+                counts[f"{dim}/{kind}/bytes"] = self.per_step(kind, mesh.get_group(dim).group_name, nbytes=True)
         return counts
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
