@@ -69,6 +69,10 @@ class WindowMemory(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         if trainer.global_step == self.step and batch_idx % self.accumulate == 0:
+            # Lightning sets the last step's gradients to None in this micro-batch, before its backward; done here,
+            # before the forward, the start counts none and the run is the same.
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
             self.start = host_in_use()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
