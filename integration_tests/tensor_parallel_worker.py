@@ -16,8 +16,8 @@ Each run is ``strategy/parallelize/clip`` or ``strategy/parallelize/clip/accumul
 
 Under ``fsdp2`` the module records Lightning's ``grad_norm`` of every step in ``on_before_optimizer_step`` (under
 ``ModelParallelStrategy`` it fails there on the gradients' shards). Rank 0 writes, per run,
-the full parameters, the last loss, those norms, every rank's ``distributed_sampler_kwargs`` and its collectives
-per optimizer step over each mesh dimension (``testkit.collectives``) to ``--out``.
+the full parameters, the last loss, those norms, every rank's ``distributed_sampler_kwargs`` and, for a run given
+``accumulate``, its collectives per optimizer step over each mesh dimension (``testkit.collectives``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class RecordedGPT(TensorParallelGPT):
             self.norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
 
 
-def train(strategy_name: str, parallelize: str, clip: bool, world_size: int, accumulate: int = 1) -> dict:
+def train(strategy_name: str, parallelize: str, clip: bool, world_size: int, accumulate: int | None = None) -> dict:
     if strategy_name == "fsdp2":
         strategy = fsdp_strategy.FSDP2Strategy()
     elif strategy_name == "fsdp2_tp":
@@ -77,13 +77,13 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int, acc
         devices=world_size,
         strategy=strategy,
         max_steps=3,
-        accumulate_grad_batches=accumulate,
+        accumulate_grad_batches=accumulate or 1,
         gradient_clip_val=0.05 if clip else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[collectives],
+        callbacks=[collectives] if accumulate else [],  # a run given its accumulation counts its collectives
     )
     trainer.fit(model, DataLoader(token_dataset(48), batch_size=4))
     samplers: list = [None] * world_size
@@ -110,7 +110,9 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     for run in args.runs.split(","):
         strategy, parallelize, clip, *accumulate = run.split("/")
-        results[run] = train(strategy, parallelize, clip == "clip", world_size, int(accumulate[0]) if accumulate else 1)
+        results[run] = train(
+            strategy, parallelize, clip == "clip", world_size, int(accumulate[0]) if accumulate else None
+        )
     if dist.get_rank() == 0:
         torch.save(results, args.out)
 
