@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_positive_int"]
+__all__ = ["check_bool", "check_positive_int"]
 
 
 def check_positive_int(option: str, value: Any, *, accepted: str = "a positive int") -> None:
@@ -15,3 +15,9 @@ def check_positive_int(option: str, value: Any, *, accepted: str = "a positive i
         raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
     if value <= 0:
         raise ValueError(f"`{option}` must be {accepted}; got {value}.")
+
+
+def check_bool(option: str, value: Any) -> None:
+    """Raises ``TypeError`` unless ``value`` is a bool (not an int, nor the string ``"false"``)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp_strategy.checkpoint import pretrained
 from fsdp_strategy.checkpoint.location import location_of
 from fsdp_strategy.modes import CheckpointFormat, HookView, HostMemory, NonFiniteGrads, StateDictType
-from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.option_checks import check_bool, check_positive_int
 from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, torchao_to_nf4
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput, normalize_policy
 
@@ -67,8 +67,7 @@ def _option(*, accepts: Any, default: Any, check: Callable[..., Any], help: str)
 
 
 def _bool(value: Any, *, option: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{option}` must be a bool; got {value!r} of type {type(value).__name__}.")
+    check_bool(option, value)
     return value
 
 
@@ -289,7 +288,9 @@ class Options:
         default=False,
         check=_bool,
         help="reduce-scatter on every micro-batch of gradient accumulation (less memory, more communication); by"
-        " default gradients accumulate unsharded and are reduced once per optimizer step",
+        " default gradients accumulate unsharded and are reduced once per optimizer step. Under hybrid sharding the"
+        " all-reduce across replicas still runs once per optimizer step, on the summed shards, so `param.grad` is"
+        " written on the last micro-batch only",
     )
     compile_blocks: bool | str = _option(
         accepts=bool | str,

@@ -36,9 +36,9 @@ from fsdp_strategy.launch.process_group import ProcessGroup
 from fsdp_strategy.options import CheckpointFormat, check_options, docstring_args
 from fsdp_strategy.plugins import precision as plugins
 from fsdp_strategy.sharding import averaging
+from fsdp_strategy.sharding.accumulation import accumulation_micro_batch, writes_gradients
 from fsdp_strategy.sharding.deferred_init import has_meta_tensors
 from fsdp_strategy.sharding.mesh import data_parallel_mesh, tensor_parallel_mesh
-from fsdp_strategy.sharding.parallelize import no_gradient_sync
 from fsdp_strategy.sharding.plan import ShardingPlan
 from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
@@ -179,9 +179,17 @@ class FSDP2Strategy(ParallelStrategy):
         """``(replicate_size, shard_size)`` for the current world; raises ``ValueError`` when they do not fit."""
         return self.sharding.mesh_shape(self.num_nodes * self.num_processes, self.num_processes)
 
+    def _replicated(self) -> bool:
+        return self.mesh_shape()[0] > 1
+
     def sharding_plan(self) -> ShardingPlan:
         """The mesh, resharding and offloading this strategy shards with; ``ValueError`` as :meth:`mesh_shape`."""
-        return ShardingPlan(self.mesh_shape(), self.options.reshard_after_forward, cpu_offload=self.sharding.offload)
+        return ShardingPlan(
+            self.mesh_shape(),
+            self.options.reshard_after_forward,
+            cpu_offload=self.sharding.offload,
+            sync_grads_each_micro_batch=self.options.sync_grads_each_micro_batch,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -318,7 +326,10 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        self.step_hooks.after_backward(reduced=self.options.sync_grads_each_micro_batch or not self._in_no_sync)
+        written = writes_gradients(
+            final=not self._in_no_sync, sharded=self.options.sync_grads_each_micro_batch, replicated=self._replicated()
+        )
+        self.step_hooks.after_backward(reduced=written)
 
     @property
     def skipped_steps(self) -> int:
@@ -342,10 +353,12 @@ class FSDP2Strategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulates gradients locally on non-final micro-batches: one reduce-scatter per optimizer step."""
+        """A non-final micro-batch: no collective (gradients accumulate unsharded), or with
+        ``sync_grads_each_micro_batch`` a reduce-scatter, whose all-reduce across replicas waits for the last one."""
         self._in_no_sync = True  # DDP's no_sync(), which also decides its buffer broadcasts
         try:
-            with no_gradient_sync(self.model, unless=self.options.sync_grads_each_micro_batch):
+            sharded, replicated = self.options.sync_grads_each_micro_batch, self._replicated()
+            with accumulation_micro_batch(self.model, sharded=sharded, replicated=replicated):
                 yield
         finally:
             self._in_no_sync = False

@@ -57,6 +57,8 @@ SCENARIOS: dict[str, dict] = {
     "moe_sgd": {"model": "moe", "optimizer": "sgd"},
     "moe_accumulate": {"model": "moe", "accumulate": 2},
     "moe_sgd_accumulate": {"model": "moe", "optimizer": "sgd", "accumulate": 2},
+    # expert 3 is used in the first two micro-batches of the first step only
+    "moe_sgd_accumulate4": {"model": "moe", "optimizer": "sgd", "accumulate": 4, "max_steps": 3},
     "branch": {"model": "branch"},
     "gan": {"model": "gan"},
     "experts_root": {"model": "experts_root", "fails": True},
@@ -113,6 +115,8 @@ def train(strategy: str, scenario: dict, *, devices: int, rank: int, max_steps: 
     batches = max_steps * accumulate
     if "wrap_policy" in scenario:
         strategy = fsdp_strategy.FSDP2Strategy(wrap_policy=scenario["wrap_policy"], state_dict_type="full")
+    if strategy == "fsdp2_hybrid_sync":  # 2 replicas, sharded accumulation: all-reduce on the last micro-batch
+        strategy = fsdp_strategy.FSDP2Strategy(replicate_size=2, sync_grads_each_micro_batch=True)
     if scenario["model"].startswith("experts"):
         L.seed_everything(42)
         model = ExpertsLM(layer=scenario["model"] == "experts_layer", manual=scenario.get("manual", False))

@@ -1,9 +1,11 @@
 """A GPT written for Lightning's ``ModelParallelStrategy`` (``testkit.tensor_parallel``) under ``fsdp2`` with
 ``tensor_parallel_size=2``, under ``ModelParallelStrategy`` itself, and as a plain module under 1-D ``fsdp2``.
 
-Each run is ``strategy/parallelize/clip`` (``--runs``):
+Each run is ``strategy/parallelize/clip`` or ``strategy/parallelize/clip/accumulate`` (``--runs``):
 
-* strategy: ``fsdp2`` (1-D, as many ranks as the launch), ``fsdp2_tp`` (``tensor_parallel_size=2``) or
+* strategy: ``fsdp2`` (1-D, as many ranks as the launch), ``fsdp2_tp`` (``tensor_parallel_size=2``),
+  ``fsdp2_hybrid_tp`` (``replicate_size=2, tensor_parallel_size=2``: a 2 x 1 x 2 mesh on 4 ranks) and
+  ``fsdp2_hybrid_tp_sync`` (the same with ``sync_grads_each_micro_batch=True``), or
   ``model_parallel`` (Lightning's ``ModelParallelStrategy(data_parallel_size=world/2, tensor_parallel_size=2)``);
 * parallelize: the module's ``configure_model`` (``TensorParallelGPT(parallelize=...)``): ``tp_fsdp``, ``tp``, ``none``;
   or ``hf``: a tiny Hugging Face Llama (``testkit.hf.TinyLlama``) without ``configure_model``, split by its own
@@ -14,7 +16,8 @@ Each run is ``strategy/parallelize/clip`` (``--runs``):
 
 Under ``fsdp2`` the module records Lightning's ``grad_norm`` of every step in ``on_before_optimizer_step`` (under
 ``ModelParallelStrategy`` it fails there on the gradients' shards). Rank 0 writes, per run,
-the full parameters, the last loss, those norms and every rank's ``distributed_sampler_kwargs`` to ``--out``.
+the full parameters, the last loss, those norms, every rank's ``distributed_sampler_kwargs`` and, for a run given
+``accumulate``, its collectives per optimizer step over each mesh dimension (``testkit.collectives``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import fsdp_strategy
+from testkit.collectives import CountCollectives
 from testkit.hf import TinyLlama
 from testkit.llama_tensor_parallel import TensorParallelLlama
 from testkit.models import token_dataset
@@ -48,14 +52,20 @@ class RecordedGPT(TensorParallelGPT):
             self.norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
 
 
-def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> dict:
+def train(strategy_name: str, parallelize: str, clip: bool, world_size: int, accumulate: int | None = None) -> dict:
     if strategy_name == "fsdp2":
         strategy = fsdp_strategy.FSDP2Strategy()
     elif strategy_name == "fsdp2_tp":
         strategy = fsdp_strategy.FSDP2Strategy(tensor_parallel_size=2)
+    elif strategy_name.startswith("fsdp2_hybrid_tp"):  # (dp_replicate, dp_shard, tensor_parallel) = (2, 1, 2)
+        sync = strategy_name == "fsdp2_hybrid_tp_sync"
+        strategy = fsdp_strategy.FSDP2Strategy(
+            replicate_size=2, tensor_parallel_size=2, sync_grads_each_micro_batch=sync
+        )
     else:
         strategy = ModelParallelStrategy(data_parallel_size=world_size // 2, tensor_parallel_size=2)
     L.seed_everything(42)
+    collectives = CountCollectives()
     if parallelize == "hf":
         model: L.LightningModule = TinyLlama()
     elif parallelize == "example":
@@ -67,11 +77,13 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
         devices=world_size,
         strategy=strategy,
         max_steps=3,
+        accumulate_grad_batches=accumulate or 1,
         gradient_clip_val=0.05 if clip else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[collectives] if accumulate else [],  # a run given its accumulation counts its collectives
     )
     trainer.fit(model, DataLoader(token_dataset(48), batch_size=4))
     samplers: list = [None] * world_size
@@ -85,6 +97,7 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
         "loss": float(trainer.callback_metrics["train_loss"]),
         "norms": getattr(model, "norms", []),
         "samplers": samplers,
+        "collectives_per_step": collectives.over_mesh(getattr(trainer.strategy, "device_mesh", None)),
     }
 
 
@@ -96,8 +109,10 @@ def main() -> None:
     results = {}
     world_size = int(os.environ["WORLD_SIZE"])
     for run in args.runs.split(","):
-        strategy, parallelize, clip = run.split("/")
-        results[run] = train(strategy, parallelize, clip == "clip", world_size)
+        strategy, parallelize, clip, *accumulate = run.split("/")
+        results[run] = train(
+            strategy, parallelize, clip == "clip", world_size, int(accumulate[0]) if accumulate else None
+        )
     if dist.get_rank() == 0:
         torch.save(results, args.out)
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_strategy
 from fsdp_strategy.sharding.state_bytes import model_state_bytes
+from testkit.collectives import CountCollectives
 from testkit.models import TinyGAN, TinyLM, token_loader, uneven_lm
 
 
@@ -72,6 +73,8 @@ VARIANTS: dict[str, dict] = {
     "sgd": {"optimizer": "sgd"},
     "sgd_accumulate": {"optimizer": "sgd", "accumulate": 2},
     "sgd_accumulate_clip_norm": {"optimizer": "sgd", "accumulate": 2, "clip_val": 0.5},
+    # counts the collectives of each step (testkit.collectives: a dispatch mode over the whole fit)
+    "sgd_accumulate4": {"optimizer": "sgd", "accumulate": 4, "count_collectives": True},
     "sgd_bf16": {"optimizer": "sgd", "precision": "bf16-mixed"},
     "sgd_bf16_ac": {"optimizer": "sgd", "precision": "bf16-mixed", "activation_checkpointing": True},
     "gan": {"model": "gan"},
@@ -108,6 +111,8 @@ def make_strategy(name: str, variant: dict, checkpoint_dir: Path | None = None) 
         return fsdp_strategy.FSDP2Strategy(compile_blocks="aot_eager")
     if name == "fsdp2_replicate2":
         return fsdp_strategy.FSDP2Strategy(replicate_size=2, activation_checkpointing_policy=_ac(variant))
+    if name == "fsdp2_replicate2_sync":  # reduce-scatter every micro-batch, all-reduce across replicas once
+        return fsdp_strategy.FSDP2Strategy(replicate_size=2, sync_grads_each_micro_batch=True)
     if name.startswith("fsdp2") and variant.get("activation_checkpointing"):
         return fsdp_strategy.FSDP2Strategy(
             activation_checkpointing_policy="auto", reshard_after_forward=name != "fsdp2_grad_op"
@@ -129,6 +134,7 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
     L.seed_everything(42)
     accumulate = variant.get("accumulate", 1)
     recorder = Recorder()
+    collectives = CountCollectives()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -145,7 +151,7 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=[recorder, collectives] if variant.get("count_collectives") else [recorder],
     )
     with trainer.init_module(empty_init=variant.get("empty_init", False)):
         if variant.get("model") == "gan":
@@ -176,6 +182,7 @@ def train(run: str, variant: dict, devices: int, max_steps: int, checkpoint_dir:
         "is_global_zero": trainer.is_global_zero,
         # bytes of the collectives' buffers that the strategy reused (None: FSDP2's own allocation)
         "comm_buffer_bytes": recorder.comm_buffer_bytes,
+        "collectives_per_step": collectives.over_mesh(getattr(trainer.strategy, "device_mesh", None)),
     }
 
 

@@ -166,6 +166,25 @@ def test_hybrid_shards_within_a_node_and_all_reduces_the_shard():
     assert est.sent_bytes == (448 + 288) // 2 + 144
 
 
+def test_hybrid_with_sharded_accumulation_reduce_scatters_each_micro_batch_and_all_reduces_once():
+    options = {"strategy": "fsdp2_hybrid", "world_size": 4, "processes_per_node": 2, "accumulate_grad_batches": 4}
+    unsharded = estimate_module(meta(), **options)
+    sharded = estimate_module(meta(), **options, sync_grads_each_micro_batch=True)
+    assert unsharded.reduce_scatter_bytes == 288 and sharded.reduce_scatter_bytes == 4 * 288
+    assert sharded.all_reduce_bytes == unsharded.all_reduce_bytes == 144  # the partial sum, all-reduced once
+    assert sharded.all_gather_bytes == unsharded.all_gather_bytes
+    # between micro-batches: every unsharded gradient (288) or every unit's partial sum of shards (144)
+    assert unsharded.working_bytes - sharded.working_bytes == 288 - 144
+    one_dimensional = {**options, "strategy": "fsdp2", "processes_per_node": None}
+    # without replicas the shards accumulate in the gradients, which the model state counts already
+    assert (
+        estimate_module(meta(), **one_dimensional).working_bytes
+        - estimate_module(meta(), **one_dimensional, sync_grads_each_micro_batch=True).working_bytes
+    ) == estimate_module(meta(), **one_dimensional).reduce_scatter_bytes
+    with pytest.raises(TypeError, match="`sync_grads_each_micro_batch` must be a bool; got 'yes' of type str."):
+        estimate_module(meta(), **options, sync_grads_each_micro_batch="yes")
+
+
 def test_hybrid_without_processes_per_node_assumes_two_nodes():
     est = estimate_module(meta(), strategy="fsdp2_hybrid", world_size=4)
     assert est.mesh == (2, 2)

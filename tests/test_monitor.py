@@ -140,11 +140,15 @@ def test_optimizer_and_strategy_names_for_the_estimator():
         strategy.parallel_devices = [torch.device("cpu")] * 2
         return strategy
 
-    assert plan_of(two_ranks(FSDP2Strategy())) == {"strategy": "fsdp2", "processes_per_node": None}
+    unsynced = {"sync_grads_each_micro_batch": False}
+    assert plan_of(two_ranks(FSDP2Strategy())) == {"strategy": "fsdp2", "processes_per_node": None, **unsynced}
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=False)))["strategy"] == "fsdp2_grad_op"
-    assert plan_of(two_ranks(FSDP2Strategy(replicate_size=2))) == {"strategy": "fsdp2_hybrid", "processes_per_node": 1}
+    hybrid = {"strategy": "fsdp2_hybrid", "processes_per_node": 1}
+    assert plan_of(two_ranks(FSDP2Strategy(replicate_size=2))) == {**hybrid, **unsynced}
+    synced = plan_of(two_ranks(FSDP2Strategy(replicate_size=2, sync_grads_each_micro_batch=True)))
+    assert synced == {**hybrid, "sync_grads_each_micro_batch": True}
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
-    assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None}
+    assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None, **unsynced}
     assert plan_of(SingleDeviceStrategy("cpu")) is None
 
 
@@ -162,7 +166,11 @@ def test_an_offloading_strategy_is_estimated_as_fsdp2_offload(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the constructor asks
     strategy = FSDP2Strategy(cpu_offload=True)
     strategy.parallel_devices = [torch.device("cpu")] * 2
-    assert plan_of(strategy) == {"strategy": "fsdp2_offload", "processes_per_node": None}
+    assert plan_of(strategy) == {
+        "strategy": "fsdp2_offload",
+        "processes_per_node": None,
+        "sync_grads_each_micro_batch": False,
+    }
 
 
 def test_the_estimated_model_state_counts_offloaded_state_in_host_memory():

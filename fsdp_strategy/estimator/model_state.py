@@ -35,7 +35,7 @@ from fsdp_strategy.estimator.groups import (
     group_sizes,
     plan_groups,
 )
-from fsdp_strategy.option_checks import check_positive_int
+from fsdp_strategy.option_checks import check_bool, check_positive_int
 from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, frozen_cast_dtype
 from fsdp_strategy.sharding.mesh import resolve_mesh_shape
 from fsdp_strategy.sharding.policy import PolicyInput
@@ -140,12 +140,17 @@ def estimate_module(
     wrap_policy: PolicyInput = "auto",
     accumulate_grad_batches: int = 1,
     frozen_dtype: str | None = None,
+    sync_grads_each_micro_batch: bool = False,
 ) -> Estimate:
     """Memory per rank and communication per optimizer step of training ``module`` with ``strategy``.
 
     Frozen parameters (``requires_grad=False``) count their storage only: no gradient, no optimizer state, nothing
     reduced. ``frozen_dtype`` (``"bfloat16"`` or ``"float16"``, the strategy's option of that name) is the dtype
     they are kept in; ``None``: as built.
+
+    ``sync_grads_each_micro_batch`` (the strategy's option) reduce-scatters every micro-batch instead of keeping
+    unsharded gradients: ``accumulate_grad_batches`` times the reduce-scatter bytes; hybrid's all-reduce stays once
+    per step, and its partial sums (a gradient shard in reduce dtype per unit) are held between micro-batches.
 
     ``module`` may live on the meta device, or be sharded already by FSDP2 (its units are then the
     ones it was sharded with, and ``wrap_policy`` is not used). ``processes_per_node`` sets
@@ -158,10 +163,12 @@ def estimate_module(
     precision = _check_options(
         module, strategy, world_size, precision, optimizer, processes_per_node, accumulate_grad_batches
     )
+    check_bool("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
     frozen = _frozen_storage(frozen_dtype)
     mesh, note = _mesh_for(strategy, world_size, processes_per_node)
     groups = plan_groups(module, strategy=strategy, precision=precision, wrap_policy=wrap_policy, frozen_dtype=frozen)
-    return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulate_grad_batches, note)
+    accumulation = _Accumulation(accumulate_grad_batches, sharded=sync_grads_each_micro_batch)
+    return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulation, note)
 
 
 def _check_options(
@@ -235,6 +242,21 @@ def _optimizer_bytes(grad_bytes: int, step_counters: int, optimizer: str) -> int
     return tensors * grad_bytes + (step_counters * _STEP_COUNTER_BYTES if counter else 0)
 
 
+@dataclass(frozen=True)
+class _Accumulation:
+    micro_batches: int  # per optimizer step
+    sharded: bool  # sync_grads_each_micro_batch: a reduce-scatter per micro-batch, sharded accumulation
+
+    @property
+    def unsharded(self) -> bool:
+        """Whether full-size gradients are kept between micro-batches."""
+        return self.micro_batches > 1 and not self.sharded
+
+    @property
+    def reduce_scatters(self) -> int:
+        return self.micro_batches if self.sharded else 1
+
+
 def _estimate_groups(
     groups: list[UnitGroup],
     strategy: str,
@@ -242,9 +264,10 @@ def _estimate_groups(
     mesh: tuple[int, int],
     precision: str,
     optimizer: str,
-    accumulate: int,
+    accumulation: _Accumulation,
     note: str,
 ) -> Estimate:
+    accumulate = accumulation.micro_batches
     replicate, shards = mesh
     sizes = [group_sizes(group, shards) for group in groups]
     params = sum(s.sharded for s in sizes)
@@ -277,9 +300,10 @@ def _estimate_groups(
         **({key: 0 for key in device_state} if offload else device_state),
         host_bytes=sum(device_state.values()) if offload else 0,
         all_gather_bytes=_all_gather_bytes(sizes, groups, strategy, accumulate) if shards > 1 else 0,
-        reduce_scatter_bytes=sum(s.reduced for s in sizes) if shards > 1 else 0,
+        reduce_scatter_bytes=accumulation.reduce_scatters * sum(s.reduced for s in sizes) if shards > 1 else 0,
+        # once per step under sharded accumulation too: FSDP2 adds up the shards and all-reduces the sum
         all_reduce_bytes=sum(s.sharded_trainable_reduce for s in sizes) if replicate > 1 else 0,
-        working_bytes=_fsdp_working_bytes(sizes, groups, strategy, accumulate),
+        working_bytes=_fsdp_working_bytes(sizes, groups, strategy, accumulation, replicated=replicate > 1),
         **common,
     )
 
@@ -298,12 +322,15 @@ def _all_gather_bytes(sizes: list[GroupSizes], groups: list[UnitGroup], strategy
     return accumulate * sum(s.gathered * gathers(g) for s, g in zip(sizes, groups))
 
 
-def _fsdp_working_bytes(sizes: list[GroupSizes], groups: list[UnitGroup], strategy: str, accumulate: int) -> int:
+def _fsdp_working_bytes(
+    sizes: list[GroupSizes], groups: list[UnitGroup], strategy: str, accumulation: _Accumulation, *, replicated: bool
+) -> int:
     """The worst moment of backward: the units kept gathered from forward to backward (the root and
     the groups not resharded after forward) with their unsharded gradients, the block being computed
     (and, without ``grad_op``, the next one prefetched), its unsharded gradient and its reduce-scatter
     input. ``fsdp2_grad_op`` keeps every unit gathered from forward until its backward. Accumulating
-    micro-batches keeps every unsharded gradient."""
+    micro-batches keeps every unsharded gradient; with sharded accumulation under hybrid sharding, each unit's
+    partial sum of reduce-scattered shards instead (1-D sharding accumulates in the gradients counted already)."""
     kept = [s for s, g in zip(sizes, groups) if g.is_root or g.reshard_after_forward is False]
     blocks = [s for s, g in zip(sizes, groups) if not (g.is_root or g.reshard_after_forward is False)]
     reduce_step = max([*(k.reduced for k in kept), *(b.gathered_grads + b.reduced for b in blocks)])
@@ -311,7 +338,12 @@ def _fsdp_working_bytes(sizes: list[GroupSizes], groups: list[UnitGroup], strate
         gathered = sum(s.gathered for s in sizes)
     else:
         gathered = sum(k.gathered for k in kept) + 2 * max([0, *(b.gathered for b in blocks)])
-    accumulated = sum(s.reduced for s in sizes) if accumulate > 1 else 0
+    if accumulation.unsharded:
+        accumulated = sum(s.reduced for s in sizes)
+    elif accumulation.micro_batches > 1 and replicated:
+        accumulated = sum(s.sharded_trainable_reduce for s in sizes)
+    else:
+        accumulated = 0
     return gathered + sum(k.gathered_grads for k in kept) + reduce_step + accumulated
 
 

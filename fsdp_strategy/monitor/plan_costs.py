@@ -29,7 +29,7 @@ def plan_of(strategy: Any) -> dict[str, Any] | None:
     if sharding is not None:
         return _fsdp2_plan(sharding)
     if isinstance(strategy, DDPStrategy):
-        return {"strategy": "ddp", "processes_per_node": None}
+        return {"strategy": "ddp", "processes_per_node": None, "sync_grads_each_micro_batch": False}
     return None
 
 
@@ -51,7 +51,11 @@ def _fsdp2_plan(plan: ShardingPlan) -> dict[str, Any] | None:
         name = "fsdp2"
     else:  # resharding to a smaller group in forward is a plan the estimator does not model
         return None
-    return {"strategy": name, "processes_per_node": shard if replicate > 1 else None}
+    return {
+        "strategy": name,
+        "processes_per_node": shard if replicate > 1 else None,
+        "sync_grads_each_micro_batch": plan.sync_grads_each_micro_batch,
+    }
 
 
 def optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str | None:
@@ -94,6 +98,7 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict
         optimizer=optimizer,
         processes_per_node=plan["processes_per_node"],
         accumulate_grad_batches=trainer.accumulate_grad_batches,
+        sync_grads_each_micro_batch=plan["sync_grads_each_micro_batch"],
     )
     return estimate_figures(estimate), ""
 

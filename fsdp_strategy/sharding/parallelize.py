@@ -6,10 +6,9 @@ calls them in order.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,6 @@ from fsdp_strategy.sharding.mixed_precision import FULL_PRECISION_POLICY, is_nor
 from fsdp_strategy.sharding.policy import ModulePolicy, select_modules
 
 __all__ = [
-    "no_gradient_sync",
     "STEP_METHODS",
     "ShardedUnit",
     "apply_activation_checkpointing",
@@ -299,16 +297,3 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
 def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, list[str]]) -> bool:
     prefix = name + "."
     return any(not other.startswith(prefix) for p in module.parameters() for other in owners[id(p)])
-
-
-@contextlib.contextmanager
-def no_gradient_sync(model: nn.Module | None, *, unless: bool) -> Generator[None, None, None]:
-    """Gradients accumulate unreduced inside (FSDP2's ``no_sync``), on a sharded ``model`` and ``unless`` not."""
-    if unless or not isinstance(model, FSDPModule):
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)

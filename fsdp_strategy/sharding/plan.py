@@ -15,3 +15,4 @@ class ShardingPlan:
     mesh_shape: tuple[int, int]  # (replicate, shard)
     reshard_after_forward: bool | int
     cpu_offload: bool
+    sync_grads_each_micro_batch: bool = False  # a reduce-scatter per micro-batch of gradient accumulation

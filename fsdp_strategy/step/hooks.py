@@ -37,7 +37,8 @@ class StepHook:
         """Before a backward of ``loss``."""
 
     def after_backward(self, *, reduced: bool) -> None:
-        """After a backward; ``reduced``: it reduced gradients (not a ``no_sync`` micro-batch)."""
+        """After a backward; ``reduced``: its reduced gradients reached ``param.grad`` (not a ``no_sync``
+        micro-batch, nor one under hybrid sharding whose all-reduce waits for the last micro-batch)."""
 
     def wrap_closure(self, closure: Callable[[], Any], optimizer: Optimizer, module: nn.Module) -> Callable[[], Any]:
         """The closure (forward and backward) an optimizer step is to run."""

@@ -62,7 +62,9 @@ class UnusedParameters:
     """Keeps a sharded module's gradients as DDP's ``find_unused_parameters=True`` leaves them.
 
     Call :meth:`before_backward` before every backward and :meth:`after_backward` after each backward
-    that reduced gradients (not after those of ``set_requires_gradient_sync(False)`` micro-batches).
+    that reduced gradients into ``param.grad`` (not after those of ``set_requires_gradient_sync(False)``
+    micro-batches, nor after those of ``set_requires_all_reduce(False)``, whose shards FSDP2 keeps aside until the
+    all-reduce: a parameter used there only still counts as used at the window's end).
     Every rank of ``group`` calls them at the same points.
 
     Args:
