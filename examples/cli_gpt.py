@@ -27,7 +27,7 @@ On GPUs add ``--trainer.accelerator=gpu --trainer.devices=-1``. The data's ``blo
 from gpt import GPT, ByteTextDataModule
 from lightning.pytorch.cli import LightningCLI
 
-import fsdp_strategy  # noqa: F401  (registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload")
+import fsdp_strategy  # noqa: F401  (registers the "fsdp2*" strategy names)
 
 
 class GPTCLI(LightningCLI):

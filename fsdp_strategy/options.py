@@ -77,8 +77,9 @@ def _bool_or_positive_int(value: Any, *, option: str) -> bool | int:
     return value
 
 
-def _positive_int(value: Any, *, option: str) -> int:
-    check_positive_int(option, value)
+def _positive_int_or_auto(value: Any, *, option: str) -> int | str:
+    if value != "auto":
+        check_positive_int(option, value, accepted='a positive int or "auto"')
     return value
 
 
@@ -251,15 +252,17 @@ class Options:
         help="the mesh's sharding dimension as a plain integer; times `replicate_size` it must be the world size, and"
         " either implies the other",
     )
-    tensor_parallel_size: int = _option(
-        accepts=int,
+    tensor_parallel_size: int | str = _option(
+        accepts=int | str,
         default=1,
-        check=_positive_int,
+        check=_positive_int_or_auto,
         help="ranks that split each layer's weights (tensor parallelism), as Lightning's `ModelParallelStrategy`:"
         " above 1 the mesh gains a last `tensor_parallel` dimension and its data-parallel ranks are named"
         " `data_parallel`; the module's `configure_model` applies `parallelize_module` on"
         ' `self.device_mesh["tensor_parallel"]`, or a Hugging Face model inside it is split by its own'
-        " `base_model_tp_plan`; the module then stays sharded after the stage, as under `ModelParallelStrategy`",
+        " `base_model_tp_plan`; the module then stays sharded after the stage, as under `ModelParallelStrategy`."
+        ' `"auto"` (strategy `"fsdp2_tp"`): the devices of a node, as `ModelParallelStrategy`\'s default, and the'
+        " mesh has both dimensions even where that is 1",
     )
     cpu_offload: bool = _option(
         accepts=bool,

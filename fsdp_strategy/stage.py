@@ -42,6 +42,7 @@ from fsdp_strategy.sharding.mesh import (
     data_parallel_sampler,
     data_parallel_world,
     resolve_mesh_shape,
+    resolve_tensor_parallel_size,
 )
 from fsdp_strategy.sharding.mixed_precision import mixed_precision_policy
 from fsdp_strategy.sharding.parallelize import (
@@ -155,7 +156,7 @@ class ModuleSharding:
         """``(replicate_size, shard_size)`` of the data-parallel ranks (the world over ``tensor_parallel_size``);
         raises ``ValueError`` when they do not fit."""
         options = self.options
-        tensor = options.tensor_parallel_size
+        tensor = self.tensor_parallel_size(processes_per_node)
         per_node = processes_per_node // tensor if options.hybrid else None
         return resolve_mesh_shape(
             data_parallel_world(world_size, tensor, processes_per_node),
@@ -189,10 +190,18 @@ class ModuleSharding:
         sharded_view = self.options.hook_view == HookView.SHARDED
         return hook_view.explain_sharded_view(exception) if sharded_view else None
 
-    def build_mesh(self, device_type: str, mesh_shape: tuple[int, int]) -> DeviceMesh:
+    def tensor_parallel_size(self, processes_per_node: int) -> int:
+        """The ranks of a tensor-parallel group, ``"auto"`` resolved to ``processes_per_node``."""
+        return resolve_tensor_parallel_size(self.options.tensor_parallel_size, processes_per_node)
+
+    def build_mesh(self, device_type: str, mesh_shape: tuple[int, int], processes_per_node: int) -> DeviceMesh:
         """The stage's mesh, of ``mesh_shape``'s ``(replicate, shard)`` ranks, with a last ``tensor_parallel``
-        dimension under ``tensor_parallel_size`` > 1."""
-        self.mesh = build_device_mesh(device_type, *mesh_shape, self.options.tensor_parallel_size)
+        dimension under ``tensor_parallel_size`` > 1 or ``"auto"``."""
+        tensor = self.tensor_parallel_size(processes_per_node)
+        # "auto" keeps the dimension where a node has one device: a module written for ModelParallelStrategy
+        # indexes `device_mesh["tensor_parallel"]` whatever its size, as it may under that strategy's "auto".
+        auto = self.options.tensor_parallel_size == "auto"
+        self.mesh = build_device_mesh(device_type, *mesh_shape, tensor if tensor > 1 or auto else None)
         return self.mesh
 
     @property
@@ -204,9 +213,9 @@ class ModuleSharding:
             )
         return self.mesh
 
-    def sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, int]:
+    def sampler_kwargs(self, world_size: int, global_rank: int, processes_per_node: int) -> dict[str, int]:
         """``DistributedSampler``'s arguments: the data-parallel ranks of ``world_size``, ``global_rank``'s one."""
-        return data_parallel_sampler(world_size, global_rank, self.options.tensor_parallel_size)
+        return data_parallel_sampler(world_size, global_rank, self.tensor_parallel_size(processes_per_node))
 
     def shard(self, model: nn.Module, arguments: ShardingArguments) -> nn.Module:
         """A plain module sharded: as DDP, every rank starts from rank 0's parameters and buffers, then
@@ -223,12 +232,14 @@ class ModuleSharding:
     def parallelize(self, model: nn.Module, arguments: ShardingArguments) -> None:
         """Activation checkpointing, compile, sharding, then materialization of meta tensors."""
         options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
-        if arguments.tensor_mesh is not None and not is_parallelized(model):
+        # A `tensor_parallel` dimension of 1 ("auto" on one device a node) splits nothing: no plan is needed.
+        tensor_parallel = arguments.tensor_mesh is not None and arguments.tensor_mesh.size() > 1
+        if tensor_parallel and not is_parallelized(model):
             split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
             rank_zero_info(f"{self.name}: split {', '.join(split) or 'the module'} by its `base_model_tp_plan`")
         self.parallelized = is_parallelized(model)
         if options.frozen_dtype is not None:
-            self.store_frozen(model, shards=mesh.size(-1), tensor_parallel=arguments.tensor_mesh is not None)
+            self.store_frozen(model, shards=mesh.size(-1), tensor_parallel=tensor_parallel)
         self.before = ShardingSnapshot(model)
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None

@@ -79,7 +79,7 @@ class FSDP2Strategy(ParallelStrategy):
         hybrid: bool = False,
         replicate_size: int | None = None,
         shard_size: int | None = None,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | str = 1,
         cpu_offload: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         frozen_dtype: str | None = None,
@@ -169,7 +169,7 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Across nodes too (the base class counts one node only), over the data-parallel ranks.
-        return self.sharding.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
+        return self.sharding.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank, self.num_processes)
 
     @property
     def process_group_backend(self) -> str | None:
@@ -215,7 +215,8 @@ class FSDP2Strategy(ParallelStrategy):
         self.processes.start(
             self.cluster_environment, member=member, processes_per_node=self.num_processes, device=self.root_device
         )
-        set_device_mesh(self.lightning_module, self.sharding.build_mesh(self.root_device.type, self.mesh_shape()))
+        mesh = self.sharding.build_mesh(self.root_device.type, self.mesh_shape(), self.num_processes)
+        set_device_mesh(self.lightning_module, mesh)
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None:  # before the callbacks' setup(), where WeightAveraging would fail to copy meta tensors
             averaging.refuse_meta_module(trainer.callbacks, self.lightning_module)

@@ -16,6 +16,11 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
         {"reshard_after_forward": False},
     ),
     "fsdp2_hybrid": ("FSDP2 sharding within a node and replicating across nodes", {"hybrid": True}),
+    # ModelParallelStrategy's defaults: tensor parallelism over a node's devices, sharding across the nodes.
+    "fsdp2_tp": (
+        "FSDP2 across nodes with tensor parallelism over the devices of each node",
+        {"tensor_parallel_size": "auto"},
+    ),
     "fsdp2_offload": ("FSDP2 with sharded state offloaded to host memory (CUDA)", {"cpu_offload": True}),
     # "fsdp2" always does what DDP needs find_unused_parameters=True for; the name eases the switch.
     "fsdp2_find_unused_parameters_true": ("FSDP2 (parameters unused on some ranks are always handled)", {}),

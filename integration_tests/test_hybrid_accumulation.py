@@ -54,9 +54,9 @@ def tensor_parallel_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 TP_WORKER = "integration_tests.tensor_parallel_worker"
-HYBRID_TP_SYNC = f"fsdp2_hybrid_tp_sync/tp/noclip/{ACCUMULATE}"
-HYBRID_TP = f"fsdp2_hybrid_tp/tp/noclip/{ACCUMULATE}"
-TP_REFERENCE = f"fsdp2/none/noclip/{ACCUMULATE}"
+HYBRID_TP_SYNC = f"fsdp2_hybrid_tp_sync/tp/noclip/accumulate={ACCUMULATE}"
+HYBRID_TP = f"fsdp2_hybrid_tp/tp/noclip/accumulate={ACCUMULATE}"
+TP_REFERENCE = f"fsdp2/none/noclip/accumulate={ACCUMULATE}"
 
 
 def test_with_tensor_parallelism_it_reaches_the_parameters_of_a_one_dimensional_run(tensor_parallel_results) -> None:

@@ -13,7 +13,8 @@ def test_env_prints_version_registered_names_and_precisions(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"fsdp-strategy {fsdp_strategy.__version__}"
     assert (
-        "strategy names: fsdp2, fsdp2_find_unused_parameters_true, fsdp2_grad_op, fsdp2_hybrid, fsdp2_offload" in lines
+        "strategy names: fsdp2, fsdp2_find_unused_parameters_true, fsdp2_grad_op, fsdp2_hybrid, fsdp2_offload,"
+        " fsdp2_tp" in lines
     )
     assert "precisions: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true" in lines
     assert any(line.startswith("CUDA devices: ") for line in lines)

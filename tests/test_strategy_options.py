@@ -229,6 +229,8 @@ def test_process_group_backend_is_exposed():
         ("fsdp2", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False)),
         ("fsdp2_grad_op", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=False, cpu_offload=False)),
         ("fsdp2_hybrid", ShardingPlan(mesh_shape=(2, 2), reshard_after_forward=True, cpu_offload=False)),
+        # A tensor-parallel group per node: the 2 nodes are the data-parallel ranks.
+        ("fsdp2_tp", ShardingPlan(mesh_shape=(1, 2), reshard_after_forward=True, cpu_offload=False)),
         (
             "fsdp2_find_unused_parameters_true",
             ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False),

@@ -37,9 +37,10 @@ def cpu_trainer(**kwargs) -> L.Trainer:
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (0, ValueError, "`tensor_parallel_size` must be a positive int; got 0."),
-        ("2", TypeError, "`tensor_parallel_size` must be a positive int; got '2' of type str."),
-        (True, TypeError, "`tensor_parallel_size` must be a positive int; got True of type bool."),
+        (0, ValueError, '`tensor_parallel_size` must be a positive int or "auto"; got 0.'),
+        ("2", TypeError, "`tensor_parallel_size` must be a positive int or \"auto\"; got '2' of type str."),
+        ("Auto", TypeError, "`tensor_parallel_size` must be a positive int or \"auto\"; got 'Auto' of type str."),
+        (True, TypeError, '`tensor_parallel_size` must be a positive int or "auto"; got True of type bool.'),
     ],
 )
 def test_a_wrong_tensor_parallel_size_is_refused_with_what_is_accepted(value, error, message):
@@ -70,6 +71,50 @@ def test_tensor_parallelism_that_does_not_divide_a_node_is_refused():
 def test_the_data_parallel_mesh_is_the_world_over_the_tensor_parallel_size(options, devices, nodes, shape):
     strategy = cpu_trainer(strategy=FSDP2Strategy(**options), devices=devices, num_nodes=nodes).strategy
     assert strategy.mesh_shape() == shape
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "nodes", "tensor", "shape"),
+    [
+        ("fsdp2_tp", 4, 1, 4, (1, 1)),  # one node: tensor parallelism only
+        ("fsdp2_tp", 2, 3, 2, (1, 3)),  # each node one tensor-parallel group, sharded across the 3 nodes
+        ("fsdp2_tp", 1, 2, 1, (1, 2)),
+        (FSDP2Strategy(tensor_parallel_size="auto", hybrid=True), 2, 3, 2, (3, 1)),  # replicated across nodes
+    ],
+)
+def test_auto_tensor_parallelism_spans_the_devices_of_a_node(strategy, devices, nodes, tensor, shape):
+    # ModelParallelStrategy's defaults: tensor_parallel_size="auto" (devices per node), data_parallel_size="auto"
+    # (the nodes).
+    built = cpu_trainer(strategy=strategy, devices=devices, num_nodes=nodes).strategy
+    assert built.options.tensor_parallel_size == "auto"
+    assert built.sharding.tensor_parallel_size(built.num_processes) == tensor
+    assert built.mesh_shape() == shape
+    assert built.distributed_sampler_kwargs == {"num_replicas": nodes, "rank": 0}
+
+
+def test_lightning_cli_builds_the_name_and_the_auto_size():
+    from lightning.pytorch.cli import LightningCLI
+
+    common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.num_nodes=2", "--trainer.logger=false"]
+    by_name = ["--trainer.strategy=fsdp2_tp"]
+    by_class = ["--trainer.strategy=fsdp_strategy.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size=auto"]
+    two = ["--trainer.strategy=fsdp_strategy.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size=2"]
+    for args, size in ((by_name, "auto"), (by_class, "auto"), (two, 2)):
+        cli = LightningCLI(TensorParallelGPT, run=False, args=[*common, *args], save_config_callback=None)
+        assert isinstance(cli.trainer.strategy, FSDP2Strategy), args
+        assert cli.trainer.strategy.options.tensor_parallel_size == size, args
+        assert cli.trainer.strategy.mesh_shape() == (1, 2), args
+
+
+def test_auto_on_one_device_keeps_both_dimensions_for_a_module_written_for_model_parallel_strategy(trainer_env):
+    # The module indexes device_mesh["tensor_parallel"] and ["data_parallel"] in configure_model, as it may under
+    # ModelParallelStrategy's "auto" on one device.
+    module = TensorParallelGPT("tp_fsdp")
+    trainer = cpu_trainer(strategy="fsdp2_tp", devices=1, max_steps=2, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(token_dataset(8), batch_size=4))
+    assert trainer.strategy.device_mesh.mesh_dim_names == (DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM)
+    assert trainer.strategy.device_mesh.shape == (1, 1)
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train_loss"])
 
 
 def test_the_sampler_gives_a_tensor_parallel_group_one_data_parallel_rank():

@@ -24,6 +24,7 @@ __all__ = [
     "data_parallel_mesh",
     "data_parallel_world",
     "resolve_mesh_shape",
+    "resolve_tensor_parallel_size",
     "tensor_parallel_mesh",
 ]
 
@@ -33,6 +34,12 @@ SHARD_DIM = "dp_shard"
 # Lightning's ModelParallelStrategy's names, which the modules written for it index.
 DATA_PARALLEL_DIM = "data_parallel"
 TENSOR_PARALLEL_DIM = "tensor_parallel"
+
+
+def resolve_tensor_parallel_size(size: int | str, processes_per_node: int) -> int:
+    """``tensor_parallel_size`` in ranks: ``"auto"`` is every device of a node, as ``ModelParallelStrategy``'s
+    default, which leaves the nodes to data parallelism."""
+    return processes_per_node if size == "auto" else int(size)
 
 
 def data_parallel_world(world_size: int, tensor_parallel_size: int, processes_per_node: int | None = None) -> int:
@@ -94,11 +101,12 @@ def resolve_mesh_shape(
 
 
 def build_device_mesh(
-    device_type: str, replicate_size: int, shard_size: int, tensor_parallel_size: int = 1
+    device_type: str, replicate_size: int, shard_size: int, tensor_parallel_size: int | None = None
 ) -> DeviceMesh:
-    """A 1-D ``(dp_shard,)`` mesh, or a 2-D ``(dp_replicate, dp_shard)`` mesh when replicating; with tensor
-    parallelism ``(data_parallel, tensor_parallel)``, or ``(dp_replicate, dp_shard, tensor_parallel)``."""
-    if tensor_parallel_size == 1:
+    """A 1-D ``(dp_shard,)`` mesh, or a 2-D ``(dp_replicate, dp_shard)`` mesh when replicating; with a
+    ``tensor_parallel_size`` (1 included) ``(data_parallel, tensor_parallel)``, or
+    ``(dp_replicate, dp_shard, tensor_parallel)``."""
+    if tensor_parallel_size is None:
         if replicate_size == 1:
             return init_device_mesh(device_type, (shard_size,), mesh_dim_names=(SHARD_DIM,))
         return init_device_mesh(device_type, (replicate_size, shard_size), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
