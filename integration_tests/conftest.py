@@ -164,6 +164,11 @@ def max_relative_difference(params: dict, reference: dict) -> float:
     )
 
 
+def max_absolute_difference(params: dict, reference: dict) -> float:
+    assert params.keys() == reference.keys()
+    return max((params[k] - reference[k]).abs().max().item() for k in reference)
+
+
 @pytest.fixture
 def run_worker(tmp_path: Path):
     def run(args: list[str], *, nproc: int, launcher: str = "torchrun") -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration_tests.conftest import max_relative_difference, torchrun
+from integration_tests.conftest import max_absolute_difference, max_relative_difference, torchrun
 
 FOUR_RANKS = [
     "fsdp2_tp/tp_fsdp/clip",
@@ -67,11 +67,6 @@ def test_a_module_written_for_model_parallel_strategy_trains_as_under_it(results
     assert max_relative_difference(ours["params"], lightnings["params"]) <= 1e-5
     assert ours["loss"] == pytest.approx(lightnings["loss"], rel=1e-5)
     assert max_relative_difference(ours["params"], results[REFERENCE]["params"]) > 1e-4  # clipping made a difference
-
-
-def max_absolute_difference(params: dict, reference: dict) -> float:
-    assert params.keys() == reference.keys()
-    return max((params[k] - reference[k]).abs().max().item() for k in reference)
 
 
 def test_a_hugging_face_model_is_split_by_its_own_plan_to_the_parameters_of_a_one_dimensional_run(results: dict):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fsdp_strategy.tools.consolidate import consolidate_checkpoint
-from integration_tests.conftest import torchrun
+from integration_tests.conftest import max_absolute_difference, torchrun
 
 WORKER = "integration_tests.tensor_parallel_checkpoint_worker"
 # The layouts differ by reduction order only, which AdamW's first steps at lr 1e-2 (dividing by the square root of
@@ -25,11 +25,6 @@ WORKER = "integration_tests.tensor_parallel_checkpoint_worker"
 LAYOUT_TOLERANCE = 1e-4
 # What a resume may add to the difference its checkpoint starts with (measured: 1e-7).
 RESUME_TOLERANCE = 1e-5
-
-
-def max_absolute_difference(params: dict, reference: dict) -> float:
-    assert params.keys() == reference.keys()
-    return max((params[k] - reference[k]).abs().max().item() for k in reference)
 
 
 @pytest.fixture(scope="module")

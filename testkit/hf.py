@@ -9,7 +9,7 @@ from lightning import LightningModule
 
 from testkit.models import VOCAB
 
-__all__ = ["TINY_LLAMA", "UNEVEN_LLAMA", "LoraLlama", "PretrainedLlama", "TinyLlama", "save_tiny_llama"]
+__all__ = ["SPLIT_LLAMA", "TINY_LLAMA", "UNEVEN_LLAMA", "LoraLlama", "PretrainedLlama", "TinyLlama", "save_tiny_llama"]
 
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -31,6 +31,11 @@ UNEVEN_LLAMA: dict[str, Any] = {
     "num_attention_heads": 6,
     "num_key_value_heads": 3,
 }
+
+# For tensor_parallel_size=2: whole attention heads per rank (4 query, 2 key/value heads of 8), and shards that
+# data_parallel cuts unevenly: the embedding's 37 rows (not split by the plan) 19/18, an MLP of 6 rows 3/3 over
+# tensor_parallel, then 2/1 over data_parallel. (DTensor's colwise matmul needs tensor_parallel to divide them.)
+SPLIT_LLAMA: dict[str, Any] = {**TINY_LLAMA, "vocab_size": 37, "intermediate_size": 6}
 
 
 class TinyLlama(LightningModule):
