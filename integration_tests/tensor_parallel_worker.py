@@ -7,14 +7,15 @@ Each run is ``strategy/parallelize/clip`` (``--runs``):
   ``model_parallel`` (Lightning's ``ModelParallelStrategy(data_parallel_size=world/2, tensor_parallel_size=2)``);
 * parallelize: the module's ``configure_model`` (``TensorParallelGPT(parallelize=...)``): ``tp_fsdp``, ``tp``, ``none``;
   or ``hf``: a tiny Hugging Face Llama (``testkit.hf.TinyLlama``) without ``configure_model``, split by its own
-  ``base_model_tp_plan`` under ``fsdp2_tp``; or ``example``: ``testkit.llama_tensor_parallel``, a module shaped as
+  ``base_model_tp_plan`` under ``fsdp2_tp``; or ``lora``: that Llama with peft LoRA adapters on a colwise
+  (``q_proj``) and two rowwise (``o_proj``, ``down_proj``) layers, the rest frozen; or ``example``: ``testkit.llama_tensor_parallel``, a module shaped as
   Lightning's own tensor-parallel example;
 * clip: ``clip`` (``gradient_clip_val=0.05``, which clips every step here) or ``noclip`` (Lightning's
   ``ModelParallelStrategy`` cannot clip gradients on two meshes).
 
 Under ``fsdp2`` the module records Lightning's ``grad_norm`` of every step in ``on_before_optimizer_step`` (under
 ``ModelParallelStrategy`` it fails there on the gradients' shards). Rank 0 writes, per run,
-the full parameters, the last loss, those norms and every rank's ``distributed_sampler_kwargs`` to ``--out``.
+the full parameters (at the start and trained), the last loss, those norms and every rank's ``distributed_sampler_kwargs`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
     L.seed_everything(42)
     if parallelize == "hf":
         model: L.LightningModule = TinyLlama()
+    elif parallelize == "lora":
+        model = TinyLlama(lora_targets=["q_proj", "o_proj", "down_proj"])
     elif parallelize == "example":
         model = TensorParallelLlama()
     else:
@@ -73,6 +76,7 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.fit(model, DataLoader(token_dataset(48), batch_size=4))
     samplers: list = [None] * world_size
     dist.all_gather_object(samplers, trainer.strategy.distributed_sampler_kwargs)
@@ -82,6 +86,7 @@ def train(strategy_name: str, parallelize: str, clip: bool, world_size: int) -> 
     }
     return {
         "params": params,
+        "start": start,
         "loss": float(trainer.callback_metrics["train_loss"]),
         "norms": getattr(model, "norms", []),
         "samplers": samplers,

@@ -5,7 +5,8 @@ A GPT written for Lightning's ``ModelParallelStrategy`` (its ``configure_model``
 ``fsdp2``: to the parameters of the same GPT, plain, under 1-D ``fsdp2`` on 2 ranks (the same global batches), with
 gradient clipping and Lightning's ``grad_norm`` on the full gradients; and, without clipping (which
 ``ModelParallelStrategy`` cannot do on two meshes), to the parameters and loss of ``ModelParallelStrategy`` itself.
-A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``. A Llama-like
+A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``, and so is one with
+peft LoRA adapters on colwise and rowwise layers (each adapter split with its layer). A Llama-like
 module shaped as Lightning's own tensor-parallel example (``testkit.llama_tensor_parallel``: a ``parallelize``
 function of ``self.device_mesh`` in ``configure_model``, ``fully_shard`` per block) trains under
 ``FSDP2Strategy(tensor_parallel_size=2)`` as under ``ModelParallelStrategy(data_parallel_size=2,
@@ -25,18 +26,20 @@ FOUR_RANKS = [
     "fsdp2_tp/tp_fsdp/noclip",
     "model_parallel/tp_fsdp/noclip",
     "fsdp2_tp/hf/clip",
+    "fsdp2_tp/lora/clip",
     "fsdp2_tp/example/noclip",
     "model_parallel/example/noclip",
 ]
 REFERENCE = "fsdp2/none/clip"
 LLAMA_REFERENCE = "fsdp2/hf/clip"
+LORA_REFERENCE = "fsdp2/lora/clip"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp_path = tmp_path_factory.mktemp("tensor_parallel")
     found = {}
-    for nproc, runs in ((4, FOUR_RANKS), (2, [REFERENCE, LLAMA_REFERENCE])):
+    for nproc, runs in ((4, FOUR_RANKS), (2, [REFERENCE, LLAMA_REFERENCE, LORA_REFERENCE])):
         out = tmp_path / f"results_{nproc}.pt"
         worker = "integration_tests.tensor_parallel_worker"
         torchrun(worker, ["--runs", ",".join(runs), "--out", str(out)], nproc=nproc, cwd=tmp_path)
@@ -83,3 +86,11 @@ def test_a_module_shaped_as_lightnings_tensor_parallel_example_trains_as_under_m
     assert max_relative_difference(ours["params"], lightnings["params"]) <= 1e-5  # measured: 0.0, the same collectives
     assert ours["loss"] == pytest.approx(lightnings["loss"], rel=1e-5)
     assert ours["samplers"] == lightnings["samplers"]
+
+
+def test_peft_lora_layers_split_with_the_layers_they_adapt_train_as_a_one_dimensional_run(results: dict) -> None:
+    tensor_parallel, reference = results["fsdp2_tp/lora/clip"], results[LORA_REFERENCE]
+    assert max_absolute_difference(tensor_parallel["params"], reference["params"]) <= 1e-5
+    assert tensor_parallel["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    changed = [name for name, p in reference["params"].items() if not torch.equal(p, reference["start"][name])]
+    assert len(changed) == 12 and all("lora_" in name for name in changed)  # A and B of 3 layers in 2 blocks

@@ -40,9 +40,13 @@ SPLIT_LLAMA: dict[str, Any] = {**TINY_LLAMA, "vocab_size": 37, "intermediate_siz
 
 class TinyLlama(LightningModule):
     """``self.model`` is a ``LlamaForCausalLM``; its config is a hyper-parameter (a plain dict), as a recipe
-    that builds the model from a config keeps it. Batches are ``token_loader``'s ``(tokens, targets)``."""
+    that builds the model from a config keeps it. Batches are ``token_loader``'s ``(tokens, targets)``.
+    With ``lora_targets`` peft wraps those layers in LoRA adapters (rank 3, B initialized random, not zero, so that
+    the adapters count from the first step) and freezes the rest."""
 
-    def __init__(self, config: dict[str, Any] | None = None, lr: float = 1e-2) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, lr: float = 1e-2, lora_targets: list[str] | None = None
+    ) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,6 +54,11 @@ class TinyLlama(LightningModule):
             config = LlamaConfig(**TINY_LLAMA).to_dict()
         self.save_hyperparameters()
         self.model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+        if lora_targets:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=3, lora_alpha=6, target_modules=lora_targets, init_lora_weights=False)
+            self.model = get_peft_model(self.model, lora)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens).logits
@@ -62,7 +71,7 @@ class TinyLlama(LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
 class PretrainedLlama(LightningModule):

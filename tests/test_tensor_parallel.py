@@ -197,3 +197,59 @@ def test_a_single_file_checkpoint_loads_into_a_module_sharded_in_configure_model
     for name, param in saving.named_parameters():
         assert torch.equal(at_start[name], param.detach()), name
     assert {float(state["step"]) for state in trainer.optimizers[0].state.values()} == {2.0}
+
+
+def lora_llama(**lora_options):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from testkit.hf import TINY_LLAMA
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "o_proj"], init_lora_weights=False, **lora_options)
+    return get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), config)
+
+
+def test_a_peft_lora_layer_is_split_with_its_base_layer_colwise_by_b_and_rowwise_by_a(single_rank_group):
+    pytest.importorskip("peft")
+    module = nn.ModuleDict({"model": lora_llama()})
+    tokens = torch.randint(0, 32, (2, 8))
+    expected = module["model"](input_ids=tokens).logits
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    assert apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM]) == ["model.base_model.model"]
+    split = {name.removeprefix("model.base_model.model.model.layers.0.self_attn.") for name, p in
+             module.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
+    # A colwise layer's output columns are B's rows; a rowwise layer's input columns are A's columns.
+    assert {"q_proj.base_layer.weight", "q_proj.lora_B.default.weight", "k_proj.weight"} <= split
+    assert {"o_proj.base_layer.weight", "o_proj.lora_A.default.weight"} <= split
+    assert not {"q_proj.lora_A.default.weight", "o_proj.lora_B.default.weight"} & split
+    torch.testing.assert_close(module["model"](input_ids=tokens).logits, expected)
+
+
+def test_a_lora_variant_under_tensor_parallelism_is_refused_naming_the_layer_and_the_fix(single_rank_group):
+    pytest.importorskip("peft")
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    message = (
+        "`tensor_parallel_size=1`: the `base_model_tp_plan` splits 'layers.0.self_attn.q_proj' as 'colwise', and"
+        " peft wrapped it in Linear, which this strategy splits only as a plain LoRA layer of an nn.Linear (no DoRA"
+        " or other variant). Set `tensor_parallel_size=1` (adapters rarely need tensor parallelism), or leave this"
+        " layer out of the peft config's `target_modules`."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(lora_llama(use_dora=True), mesh[TENSOR_PARALLEL_DIM])
+
+
+def test_a_plan_that_names_no_module_is_refused_rather_than_training_whole_on_every_rank(single_rank_group):
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    module = TinyLlama()
+    module.model.config.base_model_tp_plan = {"blocks.*.attention.wq": "colwise"}
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    message = (
+        "`tensor_parallel_size=1`: the `base_model_tp_plan` of LlamaModel (model) names no module of it"
+        " (['blocks.*.attention.wq'] ...). Split the model in `configure_model()` with `parallelize_module`, or set"
+        " `tensor_parallel_size=1`."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM])
