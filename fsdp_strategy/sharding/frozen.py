@@ -84,8 +84,8 @@ def store_frozen(model: nn.Module, frozen_dtype: str, *, shards: int) -> int:
 
     A cast keeps each ``nn.Parameter`` object (its ``.data`` changes; a tensor-parallel DTensor's contents are
     swapped, as assigning its ``.data`` changes the dtype it reports and not its local tensor's), so tied weights,
-    optimizer parameter groups made before sharding and the snapshot of the module stay valid. ``"nf4"`` converts the weights of
-    frozen ``nn.Linear`` layers that :func:`nf4_fits` ``shards`` and that no other module shares; other
+    optimizer parameter groups made before sharding and the snapshot of the module stay valid. ``"nf4"`` converts
+    the weights of frozen ``nn.Linear`` layers that :func:`nf4_fits` ``shards`` and that no other module shares; other
     frozen parameters stay as built.
     """
     if frozen_dtype == "nf4":

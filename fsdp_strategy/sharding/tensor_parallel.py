@@ -124,7 +124,9 @@ def _layer_styles(name: str, layer: nn.Module, style: str, size: int) -> dict[st
         and isinstance(layer.base_layer, nn.Linear)
         and isinstance(adapters, nn.ModuleDict)
         and all(isinstance(adapter, nn.Linear) for adapter in adapters.values())
-        and not getattr(layer, "lora_variant", None)  # DoRA and the others change how the summands combine
+        # DoRA and the other variants change how the summands combine (older peft kept DoRA's magnitudes apart).
+        and not getattr(layer, "lora_variant", None)
+        and not getattr(layer, "lora_magnitude_vector", None)
     )
     if not plain_lora:
         raise ValueError(
