@@ -1,13 +1,14 @@
 """Peak host memory per rank of loading pretrained Hugging Face weights under "fsdp2" with ``meta_init``.
 
     OMP_NUM_THREADS=1 python benchmarks/pretrained_load_memory.py [--ranks 2,4] [--tmp /tmp] [--layers 4]
+        [--tensor-parallel-size 1]
 
 1. In one process: a Llama built from a config (hidden 2048, MLP 5632, ``--layers`` layers, vocabulary 32000,
    untied head: 1.35 GB of fp32 weights at 4 layers), ``save_pretrained`` to ``--tmp`` in files of at most 500 MB
    (an index and its files), and the same weights as one plain state-dict file (``torch.save``) for the rank-0 path.
 2. For each number of ranks, ``torch.distributed.run`` runs this file with ``--load``: a LightningModule that builds
    the model from its config in ``configure_model``, ``Trainer(strategy=FSDP2Strategy(init_weights=..., meta_init=True),
-   max_steps=0)``. Once with the Hugging Face directory (each rank reads its rows), once with the state-dict file
+   max_steps=0)``, with ``tensor_parallel_size`` when given (the Llama split by its ``base_model_tp_plan``). Once with the Hugging Face directory (each rank reads its rows), once with the state-dict file
    (the rank-0 path: rank 0 reads it, every rank receives each tensor whole and keeps its shard).
    The RSS is taken in the callback's ``setup``, before the model is built. The loading is the strategy's own
    call (``CheckpointManager._load_init_weights``, wrapped here): freed heap memory is handed back and the peak RSS
@@ -60,7 +61,7 @@ def create(directory: Path, layers: int) -> None:
     torch.save(state, directory / "weights.pt")
 
 
-def load(weights: str, out: str) -> None:
+def load(weights: str, out: str, tensor_parallel_size: int) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -110,7 +111,9 @@ def load(weights: str, out: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        strategy=FSDP2Strategy(init_weights=weights, meta_init=True, state_dict_type="sharded"),
+        strategy=FSDP2Strategy(
+            init_weights=weights, meta_init=True, state_dict_type="sharded", tensor_parallel_size=tensor_parallel_size
+        ),
         max_steps=0,
         callbacks=[Measure()],
         logger=False,
@@ -121,9 +124,17 @@ def load(weights: str, out: str) -> None:
     trainer.fit(PretrainedLlama(model_config), token_loader())
 
 
-def run(weights: Path, ranks: int, out: Path) -> list[dict]:
+def run(weights: Path, ranks: int, out: Path, tensor_parallel_size: int) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [__file__, "--load", str(weights), "--out", str(out)]
+    command += [
+        __file__,
+        "--load",
+        str(weights),
+        "--out",
+        str(out),
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -138,9 +149,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--load")
     parser.add_argument("--out")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     if args.load:
-        return load(args.load, args.out)
+        return load(args.load, args.out, args.tensor_parallel_size)
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         directory = Path(tmp)
         create(directory, args.layers)
@@ -158,7 +170,7 @@ def main() -> None:
                 ("HF directory, each rank its rows", directory / "hf"),
                 ("state-dict file, rank 0", directory / "weights.pt"),
             ):
-                for row in run(weights, ranks, directory / "rows.json"):
+                for row in run(weights, ranks, directory / "rows.json", args.tensor_parallel_size):
                     goal = (row["shard"] + row["largest"]) * 1.1
                     print(
                         f"| {ranks} | {source} | {row['rank']} | {row['load'] / MiB:.0f} MiB | {row['before'] / MiB:.0f} MiB | {row['shard'] / MiB:.0f}"

@@ -2,6 +2,7 @@
 
     python examples/finetune_lora.py                          # 2 CPU processes (or all GPUs), out: <tmp>/finetune_lora
     python examples/finetune_lora.py --devices 4 --max-steps 60 --out lora-run
+    python examples/finetune_lora.py --devices 4 --tensor-parallel-size 2   # 2 data x 2 tensor
 
 What it does, as a user fine-tuning a model from the hub would (here the "hub model" is made on the spot):
 
@@ -48,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the Llama and its adapters by its base_model_tp_plan"
+    )
     return p.parse_args()
 
 
@@ -141,6 +145,7 @@ def main() -> None:
         init_weights=str(base_dir),  # a save_pretrained directory: each rank reads only its shards' rows
         meta_init=True,  # configure_model builds the model without memory; init_weights fills it
         state_dict_type="adapter",  # checkpoints hold what training changes, not the frozen base
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     losses = StepLosses()
     trainer = L.Trainer(
@@ -158,15 +163,18 @@ def main() -> None:
     data = counting_task(samples=args.batch_size * args.max_steps * trainer.world_size)
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=True))
     trainer.save_checkpoint(checkpoint, weights_only=False)  # with the optimizer: resumable
-    if not trainer.is_global_zero:
-        return
-
-    # One process from here on; after fit the module holds plain (unsharded) tensors again, as under DDP.
-    fsdp_strategy.consolidate_checkpoint(checkpoint, adapter_dir, format="peft", overwrite=True, progress=False)
+    # After fit the module holds plain (unsharded) tensors again, as under DDP; split over tensor-parallel ranks it
+    # stays sharded (as under ModelParallelStrategy), and every rank takes part in its forward.
     tokens = data.tensors[0][:4]
     module.eval()
     with torch.no_grad():
         finetuned = module(tokens.to(module.device)).cpu()
+    if not trainer.is_global_zero:
+        return
+
+    # One process from here on.
+    fsdp_strategy.consolidate_checkpoint(checkpoint, adapter_dir, format="peft", overwrite=True, progress=False)
+    with torch.no_grad():
         peft_logits, base_logits = peft_model_logits(base_dir, adapter_dir, tokens)
     difference = (peft_logits - finetuned).abs().max().item()
     base_difference = (base_logits - finetuned).abs().max().item()

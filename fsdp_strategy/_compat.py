@@ -38,6 +38,7 @@ __all__ = [
     "reset_iter_state",
     "set_device_mesh",
     "sharded_units",
+    "strided_shard_dim",
     "tensor_version",
     "tree_flatten",
     "tree_map",
@@ -231,3 +232,17 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     ``device_mesh["data_parallel"]``. ``DeviceMesh._flatten`` (torch >= 2.6) is how torchtitan names it; torch has no
     public spelling."""
     return mesh._flatten(name)
+
+
+def strided_shard_dim(placement: Any) -> int | None:
+    """The dimension a ``_StridedShard`` placement cuts, or ``None`` for any other placement.
+
+    ``fully_shard`` over a tensor-parallel DTensor that is already split along its own shard dimension (a colwise
+    weight: ``Shard(0)`` on ``tensor_parallel``) places the data-parallel cut as ``_StridedShard(0, split_factor)``:
+    it cuts each rank's tensor-parallel piece, not the whole tensor. The class is private in every supported torch
+    (a ``Shard`` subclass up to 2.9, a C++-backed class of its own since), and both spellings carry ``dim`` and
+    ``split_factor``, which is what this reads rather than importing the class.
+    """
+    if getattr(placement, "split_factor", None) is None:
+        return None
+    return placement.dim

@@ -7,7 +7,11 @@ each global batch whole):
   its MLP's 18 rows and the adapters' rank of 3 leave padded, uneven shards on
   4 ranks.
 * ``bf16_mixed``: the same under ``bf16-mixed``.
+* ``fp32``: the same with the frozen base left in float32 (``frozen_dtype=None``).
 * ``nf4``: a Llama with hidden size 256, its frozen projections quantized to torchao's NF4 (QLoRA).
+
+``--tensor-parallel-size`` splits the Llama (and its adapters) by its ``base_model_tp_plan`` under ``fsdp2``; the
+data-parallel ranks then read what the ranks of a 1-D run on as many ranks read.
 
 The reference builds the same model and converts the same frozen weights the way a user's script would, before
 ``Trainer.fit``; each run returns the per-step global loss, the trained adapters (whole), and
@@ -24,6 +28,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.estimator.model_state import estimate_module
@@ -33,6 +38,7 @@ from integration_tests.finetune_worker import VOCAB, full_params, loader, make_t
 
 SCENARIOS = {
     # scenario: (frozen_dtype, precision, hidden size, intermediate size)
+    "fp32": (None, "32-true", 12, 18),
     "bf16": ("bfloat16", "32-true", 12, 18),
     "bf16_mixed": ("bfloat16", "bf16-mixed", 12, 18),
     "nf4": ("nf4", "32-true", 256, 512),
@@ -84,9 +90,15 @@ class LoraLlama(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.02)
 
 
+def local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def convert_frozen_as_a_user_would(model: nn.Module, frozen_dtype: str, world: int) -> None:
     """The reference's own conversion: every frozen parameter cast, or frozen Linear weights quantized to NF4
     (those whose blocks split over ``world`` ranks, as the strategy picks them)."""
+    if frozen_dtype is None:
+        return
     if frozen_dtype == "nf4":
         to_nf4 = torchao_to_nf4()
         for module in model.modules():
@@ -99,7 +111,9 @@ def convert_frozen_as_a_user_would(model: nn.Module, frozen_dtype: str, world: i
             param.data = param.data.to(torch.bfloat16)
 
 
-def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | None, root: str) -> dict[str, Any]:
+def run(
+    strategy: str, scenario: str, *, devices: int, world: int, rank: int | None, root: str, tensor_parallel_size: int
+) -> dict[str, Any]:
     frozen_dtype, precision, hidden, intermediate = SCENARIOS[scenario]
     L.seed_everything(0)
     steps = 4
@@ -112,13 +126,15 @@ def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | N
         convert_frozen_as_a_user_would(model, frozen_dtype, world)
         trainer = make_trainer("single", 1, max_steps=steps, default_root_dir=root, precision=precision)
     else:
-        chosen = FSDP2Strategy(frozen_dtype=frozen_dtype)
+        chosen = FSDP2Strategy(frozen_dtype=frozen_dtype, tensor_parallel_size=tensor_parallel_size)
         trainer = make_trainer(chosen, devices, max_steps=steps, default_root_dir=root, precision=precision)  # type: ignore[arg-type]
     trainer.fit(model, loader("tokens", steps, world, rank))
     losses = torch.stack(model.losses)
-    if rank is not None:  # equal local batches: the global loss is the mean of the ranks'
+    if (
+        rank is not None
+    ):  # equal local batches: the global loss is the mean of the ranks' (a tensor-parallel group's alike)
         dist.all_reduce(losses)
-        losses /= world
+        losses /= dist.get_world_size()
     params = full_params(model)
     # An NF4 weight is a Parameter around torchao's NF4Tensor, whose dtype is the one it was quantized from.
     frozen_kinds = sorted({f"{type(p.data).__name__}/{p.dtype}" for p in model.parameters() if not p.requires_grad})
@@ -126,6 +142,8 @@ def run(strategy: str, scenario: str, *, devices: int, world: int, rank: int | N
         "losses": losses,
         "adapters": {name: value for name, value in params.items() if "lora_" in name},
         "frozen_kinds": frozen_kinds,
+        # What a frozen DTensor holds, besides the dtype it reports.
+        "frozen_local_dtypes": sorted({str(local(p).dtype) for p in model.parameters() if not p.requires_grad}),
         "optimizer_state_entries": [len(o.state) for o in trainer.optimizers],
         "held": model.held,  # rank 0's, which holds the largest shards
         "estimate": estimate,
@@ -137,17 +155,24 @@ def main() -> None:
     parser.add_argument("--runs", required=True)
     parser.add_argument("--world", type=int, help="ranks of the job whose batches a single process takes whole")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     distributed = "LOCAL_WORLD_SIZE" in os.environ
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    world = devices if distributed else args.world
+    world = devices // args.tensor_parallel_size if distributed else args.world
     results = {}
     for entry in args.runs.split(","):
         strategy, scenario = entry.split("/")
         root = os.path.join(os.getcwd(), entry.replace("/", "-"))
         results[entry] = run(
-            strategy, scenario, devices=devices, world=world, rank=rank if distributed else None, root=root
+            strategy,
+            scenario,
+            devices=devices,
+            world=world,
+            rank=rank // args.tensor_parallel_size if distributed else None,
+            root=root,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     if rank == 0:
         torch.save(results, args.out)

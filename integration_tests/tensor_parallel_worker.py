@@ -10,7 +10,8 @@ Each run is ``strategy/parallelize/clip``, optionally followed by ``/precision=P
   ``registered`` (``Trainer(strategy="fsdp2_tp")``: one node's ranks are one tensor-parallel group) or ``ddp``;
 * parallelize: the module's ``configure_model`` (``TensorParallelGPT(parallelize=...)``): ``tp_fsdp``, ``tp``, ``none``;
   or ``hf``: a tiny Hugging Face Llama (``testkit.hf.TinyLlama``) without ``configure_model``, split by its own
-  ``base_model_tp_plan`` under ``fsdp2_tp``; or ``example``: ``testkit.llama_tensor_parallel``, a module shaped as
+  ``base_model_tp_plan`` under ``fsdp2_tp``; or ``lora``: that Llama with peft LoRA adapters on a colwise
+  (``q_proj``) and two rowwise (``o_proj``, ``down_proj``) layers, the rest frozen; or ``example``: ``testkit.llama_tensor_parallel``, a module shaped as
   Lightning's own tensor-parallel example;
 * clip: ``clip`` (``gradient_clip_val=0.05``, which clips every step here) or ``noclip`` (Lightning's
   ``ModelParallelStrategy`` cannot clip gradients on two meshes);
@@ -20,9 +21,10 @@ Every run sees the same global batches of 8 sequences, split over its data-paral
 
 Under ``fsdp2`` the module records Lightning's ``grad_norm`` of every step in ``on_before_optimizer_step`` (under
 ``ModelParallelStrategy`` it fails there on the gradients' shards). Rank 0 writes, per run,
-the full parameters (as fp32), the last loss, those norms, every rank's ``distributed_sampler_kwargs``, the dtypes of
-the parameters after training and those of the ``nn.Linear`` layers' outputs in training and, for a run given
-``accumulate``, its collectives per optimizer step over each mesh dimension (``testkit.collectives``) to ``--out``.
+the full parameters at the start and trained (as fp32), the last loss, those norms, every rank's
+``distributed_sampler_kwargs``, the dtypes of the parameters after training and those of the ``nn.Linear`` layers'
+outputs in training and, for a run given ``accumulate``, its collectives per optimizer step over each mesh dimension
+(``testkit.collectives``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def train(
     collectives = CountCollectives()
     if parallelize == "hf":
         model: L.LightningModule = TinyLlama()
+    elif parallelize == "lora":
+        model = TinyLlama(lora_targets=["q_proj", "o_proj", "down_proj"])
     elif parallelize == "example":
         model = TensorParallelLlama()
     else:
@@ -119,6 +123,7 @@ def train(
         enable_model_summary=False,
         callbacks=[collectives] if accumulate else [],  # a run given its accumulation counts its collectives
     )
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.fit(model, DataLoader(token_dataset(48), batch_size=GLOBAL_BATCH // data_parallel_ranks))
     samplers: list = [None] * world_size
     dist.all_gather_object(samplers, trainer.strategy.distributed_sampler_kwargs)
@@ -128,6 +133,7 @@ def train(
     }
     return {
         "params": params,
+        "start": start,
         "param_dtypes": {p.dtype for p in model.parameters()},
         "compute_dtypes": compute_dtypes,
         "loss": float(trainer.callback_metrics["train_loss"]),

@@ -1,7 +1,10 @@
 """Adapter checkpoints and the PEFT export of a LoRA run on 2 CPU ranks and on 4 (LoRA matrices of rank 3: uneven
 shards, one rank empty), against references: a resume from the adapter checkpoint starts and ends exactly where a
 resume from a sharded checkpoint of the same run does; the adapter checkpoint holds the LoRA matrices only; and
-the exported folder, loaded by ``PeftModel.from_pretrained`` in one process, gives the trained module's logits.
+the exported folder, loaded by ``PeftModel.from_pretrained`` in one process, gives the trained module's logits. On
+2 data x 2 tensor ranks (``tensor_parallel_size=2``: the Llama split by its ``base_model_tp_plan``, each LoRA layer's
+base and one of its matrices with it) the same holds, and the runs reach the parameters and logits of the 1-D run
+on 2 ranks, which reads the same batches.
 
 ``integration_tests/adapter_worker.py`` runs the training and the resumes.
 """
@@ -17,23 +20,41 @@ import torch
 
 from fsdp_strategy.checkpoint.dcp_metadata import read_dcp_metadata
 from fsdp_strategy.checkpoint.storage import checkpoint_files
-from integration_tests.conftest import REPO, _environment, torchrun
+from integration_tests.conftest import REPO, _environment, max_absolute_difference, torchrun
 from testkit.hf import save_tiny_llama
 
 pytest.importorskip("peft")
 
 
-def run(tmp_path: Path, nproc: int) -> tuple[dict, Path]:
+# (processes, tensor_parallel_size) of each layout.
+LAYOUTS = {"2ranks": (2, 1), "4ranks": (4, 1), "2x2": (4, 2)}
+
+
+def run(tmp_path: Path, nproc: int, tensor_parallel_size: int) -> tuple[dict, Path]:
     base = save_tiny_llama(str(tmp_path / "base"))
     out = tmp_path / "results.pt"
     args = ["--base", base, "--root", str(tmp_path), "--out", str(out)]
+    args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     torchrun("integration_tests.adapter_worker", args, nproc=nproc, cwd=tmp_path)
     return torch.load(out), tmp_path
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    return run(tmp_path_factory.mktemp(f"adapter{request.param}"), request.param)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory):
+    """Each layout's job, run once in this module."""
+    done: dict[str, tuple[dict, Path]] = {}
+
+    def job_of(layout: str) -> tuple[dict, Path]:
+        if layout not in done:
+            done[layout] = run(tmp_path_factory.mktemp(f"adapter{layout}"), *LAYOUTS[layout])
+        return done[layout]
+
+    return job_of
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def job(request: pytest.FixtureRequest, jobs) -> tuple[dict, Path]:
+    return jobs(request.param)
 
 
 def assert_equal(mine: dict, theirs: dict) -> None:
@@ -88,3 +109,15 @@ def test_the_exported_adapter_loads_with_peft_to_the_runs_logits(job: tuple[dict
     with torch.no_grad():
         logits = model(input_ids=results["tokens"]).logits
     torch.testing.assert_close(logits, results["logits"], rtol=1e-6, atol=1e-6)
+
+
+def test_split_over_tensor_parallel_ranks_the_lora_run_is_the_one_dimensional_run(jobs) -> None:
+    (split, _), (reference, _) = jobs("2x2"), jobs("2ranks")
+    assert split["split"] and not reference["split"]
+    # The attention projections peft wrapped: their base layers and LoRA B matrices (colwise, as q_proj and v_proj).
+    assert "model.base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight" in split["split"]
+    assert "model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in split["split"]
+    assert "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" not in split["split"]
+    for run in ("adapter/trained", "sharded/trained", "adapter/resumed", "sharded/resumed"):
+        assert max_absolute_difference(split[run], reference[run]) <= 1e-5, run  # as test_tensor_parallel's Llama
+    torch.testing.assert_close(split["logits"], reference["logits"], rtol=1e-6, atol=1e-6)

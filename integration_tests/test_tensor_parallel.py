@@ -5,7 +5,8 @@ A GPT written for Lightning's ``ModelParallelStrategy`` (its ``configure_model``
 ``fsdp2``: to the parameters of the same GPT, plain, under 1-D ``fsdp2`` on 2 ranks (the same global batches), with
 gradient clipping and Lightning's ``grad_norm`` on the full gradients; and, without clipping (which
 ``ModelParallelStrategy`` cannot do on two meshes), to the parameters and loss of ``ModelParallelStrategy`` itself.
-A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``. A Llama-like
+A tiny Hugging Face Llama without ``configure_model`` is split by its own ``base_model_tp_plan``, and so is one with
+peft LoRA adapters on colwise and rowwise layers (each adapter split with its layer). A Llama-like
 module shaped as Lightning's own tensor-parallel example (``testkit.llama_tensor_parallel``: a ``parallelize``
 function of ``self.device_mesh`` in ``configure_model``, ``fully_shard`` per block) trains under
 ``FSDP2Strategy(tensor_parallel_size=2)`` as under ``ModelParallelStrategy(data_parallel_size=2,
@@ -31,6 +32,7 @@ FOUR_RANKS = [
     "fsdp2_tp/tp_fsdp/noclip",
     "model_parallel/tp_fsdp/noclip",
     "fsdp2_tp/hf/clip",
+    "fsdp2_tp/lora/clip",
     "fsdp2_tp/example/noclip",
     "model_parallel/example/noclip",
     *(
@@ -41,9 +43,11 @@ FOUR_RANKS = [
 ]
 REFERENCE = "fsdp2/none/clip"
 LLAMA_REFERENCE = "fsdp2/hf/clip"
+LORA_REFERENCE = "fsdp2/lora/clip"
 TWO_RANKS = [
     REFERENCE,
     LLAMA_REFERENCE,
+    LORA_REFERENCE,
     "registered/tp_fsdp/clip",
     *(f"{strategy}/none/noclip/precision={precision}" for strategy in ("fsdp2", "ddp") for precision in BF16),
 ]
@@ -136,3 +140,11 @@ def test_trainer_precision_applies_under_tensor_parallelism_as_under_the_one_dim
     assert max_relative_difference(tensor_parallel["params"], reference["params"]) <= 1.5 * noise
     # The loss within one bf16 step at its magnitude (2**-6 near 3.5).
     assert abs(tensor_parallel["loss"] - reference["loss"]) <= 2 ** (math.floor(math.log2(reference["loss"])) - 7)
+
+
+def test_peft_lora_layers_split_with_the_layers_they_adapt_train_as_a_one_dimensional_run(results: dict) -> None:
+    tensor_parallel, reference = results["fsdp2_tp/lora/clip"], results[LORA_REFERENCE]
+    assert max_absolute_difference(tensor_parallel["params"], reference["params"]) <= 1e-5
+    assert tensor_parallel["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    changed = [name for name, p in reference["params"].items() if not torch.equal(p, reference["start"][name])]
+    assert len(changed) == 12 and all("lora_" in name for name in changed)  # A and B of 3 layers in 2 blocks

@@ -9,7 +9,7 @@ from lightning import LightningModule
 
 from testkit.models import VOCAB
 
-__all__ = ["TINY_LLAMA", "UNEVEN_LLAMA", "LoraLlama", "PretrainedLlama", "TinyLlama", "save_tiny_llama"]
+__all__ = ["SPLIT_LLAMA", "TINY_LLAMA", "UNEVEN_LLAMA", "LoraLlama", "PretrainedLlama", "TinyLlama", "save_tiny_llama"]
 
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -32,12 +32,21 @@ UNEVEN_LLAMA: dict[str, Any] = {
     "num_key_value_heads": 3,
 }
 
+# For tensor_parallel_size=2: whole attention heads per rank (4 query, 2 key/value heads of 8), and shards that
+# data_parallel cuts unevenly: the embedding's 37 rows (not split by the plan) 19/18, an MLP of 6 rows 3/3 over
+# tensor_parallel, then 2/1 over data_parallel. (DTensor's colwise matmul needs tensor_parallel to divide them.)
+SPLIT_LLAMA: dict[str, Any] = {**TINY_LLAMA, "vocab_size": 37, "intermediate_size": 6}
+
 
 class TinyLlama(LightningModule):
     """``self.model`` is a ``LlamaForCausalLM``; its config is a hyper-parameter (a plain dict), as a recipe
-    that builds the model from a config keeps it. Batches are ``token_loader``'s ``(tokens, targets)``."""
+    that builds the model from a config keeps it. Batches are ``token_loader``'s ``(tokens, targets)``.
+    With ``lora_targets`` peft wraps those layers in LoRA adapters (rank 3, B initialized random, not zero, so that
+    the adapters count from the first step) and freezes the rest."""
 
-    def __init__(self, config: dict[str, Any] | None = None, lr: float = 1e-2) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, lr: float = 1e-2, lora_targets: list[str] | None = None
+    ) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,6 +54,11 @@ class TinyLlama(LightningModule):
             config = LlamaConfig(**TINY_LLAMA).to_dict()
         self.save_hyperparameters()
         self.model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+        if lora_targets:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=3, lora_alpha=6, target_modules=lora_targets, init_lora_weights=False)
+            self.model = get_peft_model(self.model, lora)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens).logits
@@ -57,7 +71,7 @@ class TinyLlama(LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
 class PretrainedLlama(LightningModule):

@@ -224,3 +224,16 @@ def test_a_checkpoint_of_a_bf16_frozen_base_resumes_into_a_module_built_in_fp32(
     for (name, before), after in zip(saved.named_parameters(), resumed.parameters()):
         assert after.dtype == before.dtype and torch.equal(after, before), name
     assert {p.dtype for p in resumed.base.parameters()} == {torch.bfloat16}
+
+
+def test_a_frozen_dtensor_is_cast_in_its_local_shard_and_stays_the_same_parameter(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]), requires_grad=False)
+    weight, values = layer.weight, layer.weight.full_tensor().clone()
+    assert store_frozen(layer, "bfloat16", shards=1) == 1
+    assert layer.weight is weight and isinstance(weight, DTensor)  # tied names and optimizer groups stay valid
+    assert weight.dtype == weight.to_local().dtype == torch.bfloat16
+    assert torch.equal(weight.full_tensor(), values.to(torch.bfloat16))
+    assert layer.bias.dtype == torch.float32  # trainable

@@ -29,6 +29,13 @@ from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
 
 
+@pytest.fixture
+def tensor_mesh(single_rank_group):
+    """The ``tensor_parallel`` dimension of a (1, 1) ``(data_parallel, tensor_parallel)`` mesh over the one rank."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    return mesh[TENSOR_PARALLEL_DIM]
+
+
 def cpu_trainer(**kwargs) -> L.Trainer:
     """A Trainer that is only constructed: no process or process group is started."""
     return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
@@ -166,8 +173,7 @@ def test_clipping_by_norm_spans_gradients_on_several_meshes(single_rank_group):
     assert total_grad_norm(params) == pytest.approx(0.5, rel=1e-5)
 
 
-def test_a_module_without_a_plan_is_told_what_to_write(single_rank_group):
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+def test_a_module_without_a_plan_is_told_what_to_write(tensor_mesh):
     message = (
         "`tensor_parallel_size=1` needs a tensor-parallel plan, and Sequential has none: it holds no Hugging Face"
         " model with a `config.base_model_tp_plan`. Split its layers in the LightningModule's `configure_model()`,"
@@ -176,10 +182,10 @@ def test_a_module_without_a_plan_is_told_what_to_write(single_rank_group):
         " `tensor_parallel_size=1`."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
-        apply_tensor_parallel_plan(nn.Sequential(nn.Linear(2, 2)), mesh[TENSOR_PARALLEL_DIM])
+        apply_tensor_parallel_plan(nn.Sequential(nn.Linear(2, 2)), tensor_mesh)
 
 
-def test_a_hugging_face_plan_is_applied_through_parallelize_module(single_rank_group):
+def test_a_hugging_face_plan_is_applied_through_parallelize_module(tensor_mesh):
     pytest.importorskip("transformers")
     from testkit.hf import TinyLlama
 
@@ -187,8 +193,7 @@ def test_a_hugging_face_plan_is_applied_through_parallelize_module(single_rank_g
     module = TinyLlama()
     tokens = torch.randint(0, 32, (2, 8))
     expected = module(tokens)
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
-    assert apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM]) == ["model"]
+    assert apply_tensor_parallel_plan(module, tensor_mesh) == ["model"]
     split = {name for name, p in module.named_parameters() if isinstance(p, DTensor)}
     assert "model.model.layers.0.self_attn.q_proj.weight" in split
     assert "model.model.layers.1.mlp.down_proj.weight" in split
@@ -196,20 +201,32 @@ def test_a_hugging_face_plan_is_applied_through_parallelize_module(single_rank_g
     torch.testing.assert_close(module(tokens), expected)
 
 
-def test_a_plan_style_without_a_torch_twin_is_refused_by_name(single_rank_group):
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (
+            {"layers.*.mlp.gate_proj": "local_packed_rowwise"},
+            "The `base_model_tp_plan` of LlamaModel (model) splits 'layers.*.mlp.gate_proj' as 'local_packed_rowwise',"
+            " which this strategy does not apply; it applies 'colwise', 'rowwise', 'colwise_rep', 'rowwise_rep',"
+            " 'sequence_parallel'. Split the model in `configure_model()` with `parallelize_module` instead.",
+        ),
+        (  # torch's parallelize_module only warns, and every rank would train the whole model
+            {"blocks.*.attention.wq": "colwise"},
+            "`tensor_parallel_size=1`: the `base_model_tp_plan` of LlamaModel (model) names no module of it"
+            " (['blocks.*.attention.wq'] ...). Split the model in `configure_model()` with `parallelize_module`, or"
+            " set `tensor_parallel_size=1`.",
+        ),
+    ],
+    ids=["style-without-a-torch-twin", "names-no-module"],
+)
+def test_a_plan_this_strategy_cannot_apply_is_refused_by_name(tensor_mesh, plan, message):
     pytest.importorskip("transformers")
     from testkit.hf import TinyLlama
 
     module = TinyLlama()
-    module.model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
-    message = (
-        "The `base_model_tp_plan` of LlamaModel (model) splits 'layers.*.mlp.gate_proj' as 'local_packed_rowwise',"
-        " which this strategy does not apply; it applies 'colwise', 'rowwise', 'colwise_rep', 'rowwise_rep',"
-        " 'sequence_parallel'. Split the model in `configure_model()` with `parallelize_module` instead."
-    )
+    module.model.config.base_model_tp_plan = plan
     with pytest.raises(ValueError, match=re.escape(message)):
-        apply_tensor_parallel_plan(module, mesh[TENSOR_PARALLEL_DIM])
+        apply_tensor_parallel_plan(module, tensor_mesh)
 
 
 class ShardedInConfigureModel(TensorParallelGPT):
@@ -242,3 +259,41 @@ def test_a_single_file_checkpoint_loads_into_a_module_sharded_in_configure_model
     for name, param in saving.named_parameters():
         assert torch.equal(at_start[name], param.detach()), name
     assert {float(state["step"]) for state in trainer.optimizers[0].state.values()} == {2.0}
+
+
+def lora_llama(**lora_options):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from testkit.hf import TINY_LLAMA
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "o_proj"], init_lora_weights=False, **lora_options)
+    return get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), config)
+
+
+def test_a_peft_lora_layer_is_split_with_its_base_layer_colwise_by_b_and_rowwise_by_a(tensor_mesh):
+    pytest.importorskip("peft")
+    module = nn.ModuleDict({"model": lora_llama()})
+    tokens = torch.randint(0, 32, (2, 8))
+    expected = module["model"](input_ids=tokens).logits
+    assert apply_tensor_parallel_plan(module, tensor_mesh) == ["model.base_model.model"]
+    split = {name.removeprefix("model.base_model.model.model.layers.0.self_attn.") for name, p in
+             module.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
+    # A colwise layer's output columns are B's rows; a rowwise layer's input columns are A's columns.
+    assert {"q_proj.base_layer.weight", "q_proj.lora_B.default.weight", "k_proj.weight"} <= split
+    assert {"o_proj.base_layer.weight", "o_proj.lora_A.default.weight"} <= split
+    assert not {"q_proj.lora_A.default.weight", "o_proj.lora_B.default.weight"} & split
+    torch.testing.assert_close(module["model"](input_ids=tokens).logits, expected)
+
+
+def test_a_lora_variant_under_tensor_parallelism_is_refused_naming_the_layer_and_the_fix(tensor_mesh):
+    pytest.importorskip("peft")
+    message = (
+        "`tensor_parallel_size=1`: the `base_model_tp_plan` splits 'layers.0.self_attn.q_proj' as 'colwise', and"
+        " peft wrapped it in Linear, which this strategy splits only as a plain LoRA layer of an nn.Linear (no DoRA"
+        " or other variant). Set `tensor_parallel_size=1` (adapters rarely need tensor parallelism), or leave this"
+        " layer out of the peft config's `target_modules`."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tensor_parallel_plan(lora_llama(use_dora=True), tensor_mesh)

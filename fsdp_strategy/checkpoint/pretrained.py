@@ -30,6 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_strategy._compat import strided_shard_dim
+
 __all__ = [
     "INDEX_NAME",
     "WEIGHTS_NAME",
@@ -126,20 +128,26 @@ def read_headers(directory: Path | str) -> dict[str, TensorHeader]:
 def local_region(tensor: Tensor) -> tuple[slice, ...]:
     """The region of the whole tensor that this rank holds of ``tensor``: all of a plain tensor; for a
     DTensor, each ``Shard(dim)`` of its placements cuts ``dim`` as ``torch.chunk`` does (FSDP2's uneven
-    shards: ``ceil(n / shards)`` rows per rank, the last ranks fewer or none)."""
+    shards: ``ceil(n / shards)`` rows per rank, the last ranks fewer or none). Under tensor parallelism a
+    colwise weight is ``(_StridedShard(0), Shard(0))``: FSDP2 cut the tensor-parallel piece, so the plain shards
+    cut first and the strided one within what they left; the region stays one block."""
     shape = list(tensor.shape)
     starts = [0] * len(shape)
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
+        plain, strided = [], []
         for mesh_dim, placement in enumerate(tensor.placements):
-            if type(placement) is Replicate:
-                continue
-            if type(placement) is not Shard:  # a strided shard (tensor parallel), a pending reduction
+            if type(placement) is Shard:
+                plain.append((mesh_dim, placement.dim))
+            elif strided_shard_dim(placement) is not None:
+                strided.append((mesh_dim, strided_shard_dim(placement)))
+            elif type(placement) is not Replicate:  # a pending reduction
                 raise ValueError(
                     f"Pretrained weights are read into Shard or Replicate placements; got {placement} in"
                     f" {tensor.placements}."
                 )
-            dim, shards = placement.dim, mesh.size(mesh_dim)
+        for mesh_dim, dim in plain + strided:
+            shards = mesh.size(mesh_dim)
             chunk = math.ceil(shape[dim] / shards) if shape[dim] else 0
             start = min(mesh.get_local_rank(mesh_dim) * chunk, shape[dim])
             starts[dim] += start

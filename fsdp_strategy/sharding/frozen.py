@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "FROZEN_DTYPES",
@@ -81,9 +82,10 @@ def nf4_fits(shape: tuple[int, ...], shards: int) -> bool:
 def store_frozen(model: nn.Module, frozen_dtype: str, *, shards: int) -> int:
     """Frozen floating-point parameters of ``model`` converted to ``frozen_dtype`` in place; returns how many.
 
-    A cast keeps each ``nn.Parameter`` object (its ``.data`` changes), so tied weights, optimizer parameter
-    groups made before sharding and the snapshot of the module stay valid. ``"nf4"`` converts the weights of
-    frozen ``nn.Linear`` layers that :func:`nf4_fits` ``shards`` and that no other module shares; other
+    A cast keeps each ``nn.Parameter`` object (its ``.data`` changes; a tensor-parallel DTensor's contents are
+    swapped, as assigning its ``.data`` changes the dtype it reports and not its local tensor's), so tied weights,
+    optimizer parameter groups made before sharding and the snapshot of the module stay valid. ``"nf4"`` converts
+    the weights of frozen ``nn.Linear`` layers that :func:`nf4_fits` ``shards`` and that no other module shares; other
     frozen parameters stay as built.
     """
     if frozen_dtype == "nf4":
@@ -92,7 +94,10 @@ def store_frozen(model: nn.Module, frozen_dtype: str, *, shards: int) -> int:
     converted = 0
     for param in {id(p): p for p in model.parameters()}.values():
         if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
+            if isinstance(param, DTensor):
+                torch.utils.swap_tensors(param, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            else:
+                param.data = param.data.to(dtype)
             converted += 1
     return converted
 

@@ -6,11 +6,19 @@ A module written for Lightning's ``ModelParallelStrategy`` splits its layers its
 that does not, with ``tensor_parallel_size`` above 1, is split here by the plan its Hugging Face model carries
 (``config.base_model_tp_plan``: module names with ``*`` wildcards, each with a style string). The strings name
 Transformers' own styles; those that a torch style does alike are in :data:`PLAN_STYLES`.
+
+A layer that peft wrapped for LoRA (``q_proj`` is then a ``lora.Linear`` holding the pretrained ``base_layer`` and
+the adapters ``lora_A``, ``lora_B``) is split so that its two summands stay alike: ``base_layer(x) + B(A(x)) * s``.
+Colwise, the base layer's output is this rank's columns, so ``B`` is split colwise too (its rows are output
+columns) and ``A``, which sees the whole input, stays whole. Rowwise, the input is this rank's columns, so ``A`` is
+split rowwise (its partial products summed over the ranks, as the base layer's) and ``B``, which then sees the whole
+``A(x)``, stays whole. Other peft layers (DoRA and other variants, LoRA of an embedding, other tuners) are refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,7 +55,8 @@ def hugging_face_plans(model: nn.Module) -> list[tuple[str, nn.Module, dict[str,
     found: list[tuple[str, nn.Module, dict[str, str]]] = []
     for name, module in model.named_modules():
         plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
-        if not plan or not hasattr(module, "base_model_prefix"):
+        # On the class: peft's PeftModel and LoraModel hand out their wrapped model's attributes as their own.
+        if not plan or not hasattr(type(module), "base_model_prefix"):
             continue
         if any(outer == "" or name.startswith(outer + ".") for outer, _, _ in found):
             continue
@@ -69,7 +78,7 @@ def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
             ' "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or set `tensor_parallel_size=1`.'
         )
     for name, base_model, plan in plans:
-        styles = {}
+        styles: dict[str, ParallelStyle] = {}
         for pattern, style in plan.items():
             if style not in PLAN_STYLES:
                 raise ValueError(
@@ -78,6 +87,55 @@ def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
                     f" {', '.join(repr(s) for s in PLAN_STYLES)}. Split the model in `configure_model()` with"
                     " `parallelize_module` instead."
                 )
-            styles[pattern] = PLAN_STYLES[style]()
+            for layer in _matching(base_model, pattern):
+                styles.update(_layer_styles(layer, base_model.get_submodule(layer), style, mesh.size()))
+        if not styles:
+            # parallelize_module only warns about a pattern that names no module: the model would train whole on
+            # every tensor-parallel rank.
+            raise ValueError(
+                f"`tensor_parallel_size={mesh.size()}`: the `base_model_tp_plan` of {type(base_model).__name__}"
+                f" ({name or 'the module'}) names no module of it ({list(plan)[:3]} ...). Split the model in"
+                " `configure_model()` with `parallelize_module`, or set `tensor_parallel_size=1`."
+            )
         parallelize_module(base_model, mesh, styles)
     return [name for name, _, _ in plans]
+
+
+def _matching(model: nn.Module, pattern: str) -> list[str]:
+    """The names of ``model``'s modules that ``pattern`` names, ``*`` standing for one part of a name, as
+    ``parallelize_module`` reads a plan."""
+    parts = pattern.split(".")
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name and len(name.split(".")) == len(parts) and all(map(fnmatchcase, name.split("."), parts))
+    ]
+
+
+def _layer_styles(name: str, layer: nn.Module, style: str, size: int) -> dict[str, ParallelStyle]:
+    """The styles that split the plan's ``layer`` as ``style``: the layer itself, or the parts of a peft LoRA
+    layer (see the module docstring)."""
+    if not hasattr(layer, "base_layer"):
+        return {name: PLAN_STYLES[style]()}
+    part = "lora_B" if style.startswith("colwise") else "lora_A"
+    adapters = getattr(layer, part, None)
+    plain_lora = (
+        style != "sequence_parallel"
+        and isinstance(layer.base_layer, nn.Linear)
+        and isinstance(adapters, nn.ModuleDict)
+        and all(isinstance(adapter, nn.Linear) for adapter in adapters.values())
+        # DoRA and the other variants change how the summands combine (older peft kept DoRA's magnitudes apart).
+        and not getattr(layer, "lora_variant", None)
+        and not getattr(layer, "lora_magnitude_vector", None)
+    )
+    if not plain_lora:
+        raise ValueError(
+            f"`tensor_parallel_size={size}`: the `base_model_tp_plan` splits {name!r} as {style!r}, and peft wrapped"
+            f" it in {type(layer).__name__}, which this strategy splits only as a plain LoRA layer of an nn.Linear"
+            " (no DoRA or other variant). Set `tensor_parallel_size=1` (adapters rarely need tensor parallelism),"
+            " or leave this layer out of the peft config's `target_modules`."
+        )
+    return {
+        f"{name}.base_layer": PLAN_STYLES[style](),
+        **{f"{name}.{part}.{adapter}": PLAN_STYLES[style]() for adapter in adapters},
+    }
