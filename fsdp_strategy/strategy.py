@@ -181,7 +181,12 @@ class FSDP2Strategy(ParallelStrategy):
 
     def sharding_plan(self) -> ShardingPlan:
         """The mesh, resharding and offloading this strategy shards with; ``ValueError`` as :meth:`mesh_shape`."""
-        return ShardingPlan(self.mesh_shape(), self.options.reshard_after_forward, cpu_offload=self.sharding.offload)
+        return ShardingPlan(
+            self.mesh_shape(),
+            self.options.reshard_after_forward,
+            cpu_offload=self.sharding.offload,
+            tensor_parallel_size=self.options.tensor_parallel_size,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -15,7 +15,7 @@ measures (``live peak``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from fsdp_strategy.estimator.groups import (
     shard_numel,
 )
 from fsdp_strategy.estimator.model_state import Estimate
+from fsdp_strategy.estimator.tensor_split import all_reduced_activation_bytes
 from fsdp_strategy.estimator.trace import StepTrace, trace_step
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput
 
@@ -66,8 +67,11 @@ class StepPeaks:
         precision: str,
         wrap_policy: PolicyInput = "auto",
         activation_checkpointing: ModulePolicy | None = None,
+        tensor_parallel_styles: Mapping[str, str] | None = None,
     ) -> None:
         self.build = build
+        # The layers tensor parallelism splits, by name, and their styles: the trace sizes their activations.
+        self.tensor_parallel_styles = dict(tensor_parallel_styles or {})
         self.make_batch = make_batch
         self.precision = precision
         self.wrap_policy = wrap_policy
@@ -80,6 +84,18 @@ class StepPeaks:
         """The peak of ``estimate``'s strategy and world size at ``micro_batch_size`` samples per forward."""
         if checkpointed and self.activation_checkpointing is None:
             raise ValueError("`checkpointed=True` needs an activation_checkpointing policy.")
+        trace, groups = self._trace(estimate, micro_batch_size, checkpointed)
+        return step_peak(trace, groups, estimate, accumulate=accumulate)
+
+    def tensor_parallel_all_reduce(self, estimate: Estimate, *, micro_batch_size: int, accumulate: int = 1) -> int:
+        """Activation bytes ``estimate``'s tensor-parallel layers all-reduce per optimizer step (see
+        :func:`~fsdp_strategy.estimator.tensor_split.all_reduced_activation_bytes`), from the traced step."""
+        trace, _ = self._trace(estimate, micro_batch_size, checkpointed=False)
+        return accumulate * all_reduced_activation_bytes(trace.layer_activations, self.tensor_parallel_styles)
+
+    def _trace(
+        self, estimate: Estimate, micro_batch_size: int, checkpointed: bool
+    ) -> tuple[StepTrace, list[UnitGroup]]:
         sharded = estimate.strategy != "ddp"
         key = (sharded, micro_batch_size, checkpointed)
         if key not in self._traces:
@@ -96,10 +112,10 @@ class StepPeaks:
                 groups=groups,
                 sharded=sharded,
                 activation_checkpointing=policy,
+                layers=list(self.tensor_parallel_styles),
             )
             self._traces[key] = (trace, groups)
-        trace, groups = self._traces[key]
-        return step_peak(trace, groups, estimate, accumulate=accumulate)
+        return self._traces[key]
 
 
 # --- replaying a trace for one strategy ---------------------------------------------------------------------------
@@ -156,7 +172,7 @@ def _optimizer_temporaries(groups: Sequence[UnitGroup], estimate: Estimate, shar
     if estimate.optimizer not in ("adam", "adamw"):
         return 0
     largest = max(
-        (shard_numel(p.shape, shards) * p.storage for g in groups for p in g.params if p.trainable), default=0
+        (shard_numel(p.rank_shape, shards) * p.storage for g in groups for p in g.params if p.trainable), default=0
     )
     return _ADAM_TEMPORARIES * largest
 

@@ -221,6 +221,9 @@ class ShardingMonitor(Callback):
             all_reduce_bytes=None,
             sent_bytes=None,
             estimated_model_state_bytes=None,
+            mesh=None,
+            tensor_parallel_all_reduce_bytes=None,
+            estimate_note="",
             communication_note=self._communication_note,
         )
         if self._communication is not None:
@@ -233,6 +236,7 @@ class ShardingMonitor(Callback):
                 "monitor/all_gather_mib_per_step": summary["all_gather_bytes"],
                 "monitor/reduce_scatter_mib_per_step": summary["reduce_scatter_bytes"],
                 "monitor/all_reduce_mib_per_step": summary["all_reduce_bytes"],
+                "monitor/tensor_parallel_all_reduce_mib_per_step": summary["tensor_parallel_all_reduce_bytes"],
             }
             self._log(trainer, {k: v / MiB for k, v in metrics.items() if v is not None})
 
