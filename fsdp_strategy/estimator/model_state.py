@@ -183,8 +183,7 @@ def estimate_module(
     )
     frozen = _frozen_storage(frozen_dtype)
     tensor = _check_tensor_parallel(strategy, world_size, tensor_parallel_size, processes_per_node)
-    per_node = None if processes_per_node is None else processes_per_node // tensor
-    mesh, note = _mesh_for(strategy, world_size // tensor, per_node)
+    mesh, note = _mesh_for(strategy, world_size, processes_per_node, tensor)
     splits = tensor_splits(module, tensor, tensor_parallel_plan)
     groups = plan_groups(
         module, strategy=strategy, precision=precision, wrap_policy=wrap_policy, frozen_dtype=frozen, splits=splits
@@ -255,26 +254,29 @@ def check_optimizer(optimizer: str) -> None:
         raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
 
 
-def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
-    """``(replicate, shard)`` and a note on how it was chosen."""
+def _mesh_for(
+    strategy: str, world_size: int, processes_per_node: int | None, tensor: int = 1
+) -> tuple[tuple[int, int], str]:
+    """``(replicate, shard)`` of the data-parallel ranks (the world over ``tensor`` tensor-parallel ranks) and a
+    note on how it was chosen."""
+    ranks = world_size // tensor
     if strategy == "ddp":
-        return (world_size, 1), ""
+        return (ranks, 1), ""
     if strategy == "fsdp2_offload":
-        return (1, world_size), "CUDA only; the sharded state lives in host memory"
+        return (1, ranks), "CUDA only; the sharded state lives in host memory"
     if strategy != "fsdp2_hybrid":
-        return (1, world_size), ""
+        return (1, ranks), ""
     if processes_per_node is not None:
         if world_size % processes_per_node:
             raise ValueError(node_size_mismatch(processes_per_node, world_size))
-        mesh = resolve_mesh_shape(
-            world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node
-        )
-        return mesh, ""
-    if world_size % 2 == 0:
+        per_node = processes_per_node // tensor
+        return resolve_mesh_shape(ranks, replicate_size=None, shard_size=None, processes_per_node=per_node), ""
+    if ranks % 2 == 0:
         per_node = world_size // 2
         processes = f"{per_node} process{'es' if per_node > 1 else ''}"
-        return (2, per_node), f"assumes 2 nodes of {processes} (set processes_per_node)"
-    return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
+        return (2, ranks // 2), f"assumes 2 nodes of {processes} (set processes_per_node)"
+    odd = f"world size {world_size} is odd" if tensor == 1 else f"{ranks} data-parallel ranks, an odd number"
+    return (1, ranks), f"one node assumed ({odd}): same as fsdp2"
 
 
 def node_size_mismatch(processes_per_node: int, world_size: int) -> str:

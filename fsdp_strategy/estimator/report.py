@@ -425,7 +425,8 @@ def render_table(report: EstimateReport) -> str:
     if tensor_parallel:
         lines.append(
             "  mesh: replicate x shard x tensor_parallel; tp all-reduce: the activations the tensor-parallel ranks"
-            " all-reduce (n/e: not estimated, give a batch size)."
+            " all-reduce (n/e: not estimated, give a batch size). Activations and the peak are traced on the"
+            " unsplit model: an upper bound, as each rank keeps only its part of a split layer's activations."
         )
     if checkpointed:
         lines.append(f"  checkpointed: the same with activation checkpointing of {report.activation_checkpointing}.")
