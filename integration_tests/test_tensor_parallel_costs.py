@@ -17,24 +17,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from torch.distributed.tensor.parallel import ColwiseParallel
 
 from fsdp_strategy.estimator.report import estimate
 from integration_tests.conftest import torchrun
 from integration_tests.tensor_parallel_cost_worker import BATCH_SIZE
 from testkit.models import SEQ
-from testkit.tensor_parallel import tensor_parallel_plan
+from testkit.tensor_parallel import plan_styles
 
 RUNS = ("tp_fsdp", "tp", "hf")
-
-
-def gpt_plan() -> dict[str, str]:
-    """The GPT's configure_model split (testkit.tensor_parallel_plan) as the estimator reads a plan: style strings
-    by module name."""
-    return {
-        f"model.blocks.*.{layer}": "colwise" if isinstance(style, ColwiseParallel) else "rowwise"
-        for layer, style in tensor_parallel_plan().items()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +43,7 @@ def planned() -> dict:
     gpt = estimate(
         "testkit.tensor_parallel:TensorParallelGPT",
         init_args={"parallelize": "none"},  # configure_model leaves it whole: the plan says how it would split
-        tensor_parallel_plan=gpt_plan(),
+        tensor_parallel_plan=plan_styles(),
         seq_len=SEQ,
         **common,
     )

@@ -65,9 +65,8 @@ class CollectiveBytes(TorchDispatchMode):
             source, kind, size = found
             self.bytes[(source, kind)] += size(args)
             self.calls[(source, kind)] += 1
-        elif packet is not None and packet._qualified_op_name.startswith(("c10d::", "_c10d_functional::")):
-            if not packet._qualified_op_name.endswith("wait_tensor"):
-                self.unknown[packet._qualified_op_name] += 1
+        elif getattr(func, "namespace", None) in ("c10d", "_c10d_functional") and "wait_tensor" not in func.name():
+            self.unknown[func.name()] += 1
         return func(*args, **(kwargs or {}))
 
     def totals(self) -> dict[str, int]:

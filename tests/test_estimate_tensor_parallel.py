@@ -22,20 +22,14 @@ from fsdp_strategy.sharding.mesh import DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM
 from fsdp_strategy.tools.cli import main
 from testkit.hf import TinyLlama
 from testkit.models import SEQ
-from testkit.tensor_parallel import GPT, tensor_parallel_plan
+from testkit.tensor_parallel import GPT, plan_styles, tensor_parallel_plan
 
 F32 = 4
-GPT_STYLES = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise"}
-GPT_STYLES |= {"up": "colwise", "down": "rowwise"}
 
 
 def meta(cls: type[nn.Module] = GPT) -> nn.Module:
     with torch.device("meta"):
         return cls()
-
-
-def gpt_plan(prefix: str = "blocks.*.") -> dict[str, str]:
-    return {prefix + layer: style for layer, style in GPT_STYLES.items()}
 
 
 def test_a_split_parameter_holds_a_quarter_per_rank_and_a_replicated_one_a_half():
@@ -84,8 +78,9 @@ def test_a_module_without_a_plan_is_counted_replicated_and_says_so():
 
 def test_a_plan_given_by_name_splits_as_configure_model_would(single_rank_group):
     twin = meta()
-    planned = tensor_splits(twin, 2, gpt_plan())
-    assert planned.styles == {f"blocks.{i}.{layer}": style for i in range(2) for layer, style in GPT_STYLES.items()}
+    styles = plan_styles(prefix="")
+    planned = tensor_splits(twin, 2, plan_styles(prefix="blocks.*."))
+    assert planned.styles == {f"blocks.{i}.{layer}": style for i in range(2) for layer, style in styles.items()}
     # the same module split for real: the placements on the tensor_parallel dimension say the same
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
     live = GPT()
@@ -109,7 +104,7 @@ def test_the_traced_activation_all_reduce_counts_each_pair_forward_and_backward(
         world_sizes=[4],
         strategies=["fsdp2"],
         tensor_parallel_size=2,
-        tensor_parallel_plan=gpt_plan("model.blocks.*."),
+        tensor_parallel_plan=plan_styles(),
         batch_size=batch,
         seq_len=SEQ,
     )
