@@ -60,7 +60,10 @@ def tensor_splits(module: nn.Module, size: int, plan: Mapping[str, str] | None =
     placed = _placed_splits(module)
     if placed is not None:
         return placed
-    plans = [("", module, dict(plan))] if plan is not None else hugging_face_plans(module)
+    if plan is not None:
+        plans = [("`tensor_parallel_plan`", module, dict(plan))]
+    else:
+        plans = [(f"The `base_model_tp_plan` of {type(m).__name__}", m, p) for _, m, p in hugging_face_plans(module)]
     if not plans:
         return TensorSplits(
             size,
@@ -72,11 +75,11 @@ def tensor_splits(module: nn.Module, size: int, plan: Mapping[str, str] | None =
     dims: dict[int, int] = {}
     styles: dict[str, str] = {}
     qualified_names = {id(layer): name for name, layer in module.named_modules()}
-    for _, base_model, styles_by_pattern in plans:
+    for source, base_model, styles_by_pattern in plans:
         for pattern, style in styles_by_pattern.items():
             if style not in PLAN_STYLES:
                 raise ValueError(
-                    f"`tensor_parallel_plan` splits {pattern!r} as {style!r}; the strategy applies"
+                    f"{source} splits {pattern!r} as {style!r}; the strategy applies"
                     f" {', '.join(repr(s) for s in PLAN_STYLES)}."
                 )
         for name, layer in base_model.named_modules():

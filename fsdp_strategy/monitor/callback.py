@@ -236,7 +236,6 @@ class ShardingMonitor(Callback):
                 "monitor/all_gather_mib_per_step": summary["all_gather_bytes"],
                 "monitor/reduce_scatter_mib_per_step": summary["reduce_scatter_bytes"],
                 "monitor/all_reduce_mib_per_step": summary["all_reduce_bytes"],
-                "monitor/tensor_parallel_all_reduce_mib_per_step": summary["tensor_parallel_all_reduce_bytes"],
             }
             self._log(trainer, {k: v / MiB for k, v in metrics.items() if v is not None})
 
