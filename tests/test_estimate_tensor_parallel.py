@@ -118,6 +118,21 @@ def test_the_traced_activation_all_reduce_counts_each_pair_forward_and_backward(
     assert "1x2x2" in table and "tp all-reduce" in table
 
 
+def test_without_a_known_split_the_traced_all_reduce_is_not_estimated():
+    report = estimate(
+        "testkit.tensor_parallel:TensorParallelGPT",
+        init_args={"parallelize": "none"},
+        world_sizes=[4],
+        strategies=["fsdp2"],
+        tensor_parallel_size=2,
+        batch_size=2,
+        seq_len=SEQ,
+    )
+    row = report.rows[0]
+    assert row.tensor_parallel_all_reduce_bytes is None and "is not known" in row.note
+    assert row.step_peak_bytes is not None  # the step was traced all the same
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [

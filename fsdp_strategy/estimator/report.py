@@ -282,7 +282,7 @@ def _skip_reason(strategy: str, world_size: int, processes_per_node: int | None,
 
 def _with_step_peak(row: Estimate, peaks: StepPeaks, batch_size: int, accumulate: int) -> Estimate:
     peak = peaks.peak(row, micro_batch_size=batch_size, accumulate=accumulate)
-    if row.tensor_parallel > 1:
+    if row.tensor_parallel > 1 and peaks.tensor_parallel_styles:  # without a known split: not estimated
         traffic = peaks.tensor_parallel_all_reduce(row, micro_batch_size=batch_size, accumulate=accumulate)
         row = replace(row, tensor_parallel_all_reduce_bytes=traffic)
     checkpointed = None
@@ -425,8 +425,13 @@ def render_table(report: EstimateReport) -> str:
     if tensor_parallel:
         lines.append(
             "  mesh: replicate x shard x tensor_parallel; tp all-reduce: the activations the tensor-parallel ranks"
-            " all-reduce (n/e: not estimated, give a batch size). Activations and the peak are traced on the"
-            " unsplit model: an upper bound, as each rank keeps only its part of a split layer's activations."
+            " all-reduce (n/e: not estimated, without a batch size or a known split)."
+            + (
+                " Activations and the peak are traced on the unsplit model: an upper bound, as each rank keeps"
+                " only its part of a split layer's activations."
+                if traced
+                else ""
+            )
         )
     if checkpointed:
         lines.append(f"  checkpointed: the same with activation checkpointing of {report.activation_checkpointing}.")
