@@ -131,6 +131,18 @@ def test_without_a_known_split_the_traced_all_reduce_is_not_estimated():
     row = report.rows[0]
     assert row.tensor_parallel_all_reduce_bytes is None and "is not known" in row.note
     assert row.step_peak_bytes is not None  # the step was traced all the same
+    split = estimate(
+        "testkit.tensor_parallel:TensorParallelGPT",
+        init_args={"parallelize": "none"},
+        world_sizes=[4],
+        strategies=["fsdp2"],
+        tensor_parallel_size=2,
+        tensor_parallel_plan=plan_styles(),
+        batch_size=2,
+        seq_len=SEQ,
+    ).rows[0]
+    # with the split known the replay counts each rank's part of the gathered units and of the gradients
+    assert split.step_peak_bytes < row.step_peak_bytes
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,6 @@ from fsdp_strategy.estimator.model_state import (
 )
 from fsdp_strategy.estimator.peak import StepPeaks
 from fsdp_strategy.estimator.target import load_function, load_target, weights_skeleton
-from fsdp_strategy.estimator.tensor_split import tensor_splits
 from fsdp_strategy.estimator.trace import token_batch
 from fsdp_strategy.option_checks import check_positive_int
 from fsdp_strategy.sharding.policy import PolicyInput, class_name, normalize_policy
@@ -184,7 +183,7 @@ def estimate(
             precision=precision,
             wrap_policy=wrap_policy,
             activation_checkpointing=checkpointing,
-            tensor_parallel_styles=tensor_splits(model, tensor_parallel_size, tensor_parallel_plan).styles,
+            tensor_parallel_plan=tensor_parallel_plan,
         )
         rows = [_with_step_peak(row, peaks, batch_size, accumulate_grad_batches) for row in rows]
     if budget_bytes is None:
@@ -282,7 +281,7 @@ def _skip_reason(strategy: str, world_size: int, processes_per_node: int | None,
 
 def _with_step_peak(row: Estimate, peaks: StepPeaks, batch_size: int, accumulate: int) -> Estimate:
     peak = peaks.peak(row, micro_batch_size=batch_size, accumulate=accumulate)
-    if row.tensor_parallel > 1 and peaks.tensor_parallel_styles:  # without a known split: not estimated
+    if row.tensor_parallel > 1:
         traffic = peaks.tensor_parallel_all_reduce(row, micro_batch_size=batch_size, accumulate=accumulate)
         row = replace(row, tensor_parallel_all_reduce_bytes=traffic)
     checkpointed = None
@@ -427,8 +426,8 @@ def render_table(report: EstimateReport) -> str:
             "  mesh: replicate x shard x tensor_parallel; tp all-reduce: the activations the tensor-parallel ranks"
             " all-reduce (n/e: not estimated, without a batch size or a known split)."
             + (
-                " Activations and the peak are traced on the unsplit model: an upper bound, as each rank keeps"
-                " only its part of a split layer's activations."
+                " Activations are traced on the unsplit model, the peak's share of them an upper bound: each rank"
+                " keeps only its part of a split layer's activations."
                 if traced
                 else ""
             )
