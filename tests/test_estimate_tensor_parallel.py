@@ -96,18 +96,23 @@ def test_a_plan_given_by_name_splits_as_configure_model_would(single_rank_group)
     }
 
 
-def test_the_traced_activation_all_reduce_counts_each_pair_forward_and_backward():
-    batch = 3
-    report = estimate(
+def traced_gpt(batch_size: int, plan: dict[str, str] | None):
+    """``fsdp_strategy.estimate`` of the testkit GPT at 2 x 2, its step traced on ``batch_size`` sequences."""
+    return estimate(
         "testkit.tensor_parallel:TensorParallelGPT",
-        init_args={"parallelize": "none"},
+        init_args={"parallelize": "none"},  # configure_model leaves it whole
         world_sizes=[4],
         strategies=["fsdp2"],
         tensor_parallel_size=2,
-        tensor_parallel_plan=plan_styles(),
-        batch_size=batch,
+        tensor_parallel_plan=plan,
+        batch_size=batch_size,
         seq_len=SEQ,
     )
+
+
+def test_the_traced_activation_all_reduce_counts_each_pair_forward_and_backward():
+    batch = 3
+    report = traced_gpt(batch, plan_styles())
     row = report.rows[0]
     activation = batch * SEQ * GPT().norm.normalized_shape[0] * F32
     # per block: o's and down's outputs in forward; q's, k's, v's and up's input gradients in backward
@@ -119,28 +124,10 @@ def test_the_traced_activation_all_reduce_counts_each_pair_forward_and_backward(
 
 
 def test_without_a_known_split_the_traced_all_reduce_is_not_estimated():
-    report = estimate(
-        "testkit.tensor_parallel:TensorParallelGPT",
-        init_args={"parallelize": "none"},
-        world_sizes=[4],
-        strategies=["fsdp2"],
-        tensor_parallel_size=2,
-        batch_size=2,
-        seq_len=SEQ,
-    )
-    row = report.rows[0]
+    row = traced_gpt(2, None).rows[0]
     assert row.tensor_parallel_all_reduce_bytes is None and "is not known" in row.note
     assert row.step_peak_bytes is not None  # the step was traced all the same
-    split = estimate(
-        "testkit.tensor_parallel:TensorParallelGPT",
-        init_args={"parallelize": "none"},
-        world_sizes=[4],
-        strategies=["fsdp2"],
-        tensor_parallel_size=2,
-        tensor_parallel_plan=plan_styles(),
-        batch_size=2,
-        seq_len=SEQ,
-    ).rows[0]
+    split = traced_gpt(2, plan_styles()).rows[0]
     # with the split known the replay counts each rank's part of the gathered units and of the gradients
     assert split.step_peak_bytes < row.step_peak_bytes
 
