@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Collective", "CollectiveCounter", "CountCollectives", "bytes_by_kind", "counts_by_kind"]
+__all__ = ["Collective", "CollectiveCounter", "CountCollectives", "bytes_by_kind", "bytes_by_source", "counts_by_kind"]
 
 # c10d op name -> (kind, index of the argument whose tensors count)
 _OPS = {
@@ -52,6 +52,7 @@ class Collective:
     nbytes: int
     group: str  # the process group's name (DeviceMesh.get_group(dim).group_name)
     floating: bool  # gradients and parameters, not the int64 records of bookkeeping
+    source: str  # "c10d" (FSDP2, torch.distributed) or "functional" (DTensor's redistributions: tensor parallelism)
     step: int = 0  # the optimizer step it belongs to (CountCollectives)
 
 
@@ -70,7 +71,8 @@ class CollectiveCounter(TorchDispatchMode):
         if found is not None:
             kind, tensors, group, nbytes = found
             floating = all(t.is_floating_point() for t in tensors)
-            self.records.append(Collective(kind, nbytes, group, floating, self.step))
+            source = "functional" if func.namespace == "_c10d_functional" else "c10d"
+            self.records.append(Collective(kind, nbytes, group, floating, source, self.step))
         return func(*args, **(kwargs or {}))
 
     @staticmethod
@@ -102,6 +104,14 @@ def bytes_by_kind(records: Iterable[Collective]) -> dict[str, int]:
 
 def counts_by_kind(records: Iterable[Collective]) -> dict[str, int]:
     return dict(Counter(record.kind for record in records))
+
+
+def bytes_by_source(records: Iterable[Collective]) -> dict[str, int]:
+    """``"source/kind"`` -> bytes: FSDP2's collectives (``c10d``) apart from tensor parallelism's (``functional``)."""
+    totals: Counter[str] = Counter()
+    for record in records:
+        totals[f"{record.source}/{record.kind}"] += record.nbytes
+    return dict(sorted(totals.items()))
 
 
 class CountCollectives(L.Callback):

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from testkit.models import VOCAB
 
-__all__ = ["GPT", "TensorParallelGPT", "tensor_parallel_plan"]
+__all__ = ["GPT", "TensorParallelGPT", "plan_styles", "tensor_parallel_plan"]
 
 
 class Attention(nn.Module):
@@ -68,6 +68,15 @@ def tensor_parallel_plan() -> dict[str, ColwiseParallel | RowwiseParallel]:
         "attn.o": RowwiseParallel(),
         "up": ColwiseParallel(),
         "down": RowwiseParallel(),
+    }
+
+
+def plan_styles(prefix: str = "model.blocks.*.") -> dict[str, str]:
+    """:func:`tensor_parallel_plan` as the estimator reads a plan (``tensor_parallel_plan=``): Transformers' style
+    strings by module name, under ``prefix`` (the blocks of :class:`TensorParallelGPT`'s ``model`` by default)."""
+    return {
+        prefix + layer: "colwise" if isinstance(style, ColwiseParallel) else "rowwise"
+        for layer, style in tensor_parallel_plan().items()
     }
 
 

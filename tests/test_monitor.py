@@ -136,19 +136,36 @@ def test_optimizer_and_strategy_names_for_the_estimator():
     assert optimizer_name([torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1)]) is None
     assert optimizer_name([torch.optim.RMSprop(params)]) is None
 
-    def two_ranks(strategy: FSDP2Strategy) -> FSDP2Strategy:
-        strategy.parallel_devices = [torch.device("cpu")] * 2
+    def two_ranks(strategy: FSDP2Strategy, ranks: int = 2) -> FSDP2Strategy:
+        strategy.parallel_devices = [torch.device("cpu")] * ranks
         return strategy
 
-    unsynced = {"sync_grads_each_micro_batch": False}
-    assert plan_of(two_ranks(FSDP2Strategy())) == {"strategy": "fsdp2", "processes_per_node": None, **unsynced}
+    one_dimensional = {"processes_per_node": None, "tensor_parallel_size": 1, "sync_grads_each_micro_batch": False}
+    assert plan_of(two_ranks(FSDP2Strategy())) == {"strategy": "fsdp2", **one_dimensional}
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=False)))["strategy"] == "fsdp2_grad_op"
-    hybrid = {"strategy": "fsdp2_hybrid", "processes_per_node": 1}
-    assert plan_of(two_ranks(FSDP2Strategy(replicate_size=2))) == {**hybrid, **unsynced}
-    synced = plan_of(two_ranks(FSDP2Strategy(replicate_size=2, sync_grads_each_micro_batch=True)))
-    assert synced == {**hybrid, "sync_grads_each_micro_batch": True}
+    assert plan_of(two_ranks(FSDP2Strategy(replicate_size=2))) == {
+        "strategy": "fsdp2_hybrid",
+        "processes_per_node": 1,
+        "tensor_parallel_size": 1,
+        "sync_grads_each_micro_batch": False,
+    }
     assert plan_of(two_ranks(FSDP2Strategy(reshard_after_forward=2))) is None  # not a plan the estimator models
-    assert plan_of(DDPStrategy()) == {"strategy": "ddp", "processes_per_node": None, **unsynced}
+    assert plan_of(DDPStrategy()) == {"strategy": "ddp", **one_dimensional}
+    # 4 ranks, 2 tensor-parallel: the data-parallel mesh is (1, 2), or (2, 1) replicated, each node 1 x 2 ranks
+    assert plan_of(two_ranks(FSDP2Strategy(tensor_parallel_size=2), 4)) == {
+        "strategy": "fsdp2",
+        "processes_per_node": None,
+        "tensor_parallel_size": 2,
+        "sync_grads_each_micro_batch": False,
+    }
+    assert plan_of(two_ranks(FSDP2Strategy(tensor_parallel_size=2, replicate_size=2), 4)) == {
+        "strategy": "fsdp2_hybrid",
+        "processes_per_node": 2,
+        "tensor_parallel_size": 2,
+        "sync_grads_each_micro_batch": False,
+    }
+    synced = plan_of(two_ranks(FSDP2Strategy(replicate_size=2, sync_grads_each_micro_batch=True)))
+    assert synced["strategy"] == "fsdp2_hybrid" and synced["sync_grads_each_micro_batch"] is True
     assert plan_of(SingleDeviceStrategy("cpu")) is None
 
 
@@ -169,6 +186,7 @@ def test_an_offloading_strategy_is_estimated_as_fsdp2_offload(monkeypatch):
     assert plan_of(strategy) == {
         "strategy": "fsdp2_offload",
         "processes_per_node": None,
+        "tensor_parallel_size": 1,
         "sync_grads_each_micro_batch": False,
     }
 

@@ -277,6 +277,11 @@ def test_sharding_plan_tells_the_mesh_resharding_and_offloading(monkeypatch):
     assert grad_op.sharding_plan() == ShardingPlan(mesh_shape=(1, 2), reshard_after_forward=False, cpu_offload=False)
     to_node = cpu_trainer(strategy=FSDP2Strategy(reshard_after_forward=2), devices=2, num_nodes=2).strategy
     assert to_node.sharding_plan() == ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=2, cpu_offload=False)
+    # 2 data x 2 tensor: the mesh shape counts data-parallel ranks, and the plan carries the tensor-parallel size
+    tensor = cpu_trainer(strategy=FSDP2Strategy(tensor_parallel_size=2), devices=4).strategy
+    assert tensor.sharding_plan() == ShardingPlan(
+        mesh_shape=(1, 2), reshard_after_forward=True, cpu_offload=False, tensor_parallel_size=2
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the constructor asks
     offload = FSDP2Strategy(cpu_offload=True)
     offload.parallel_devices = [torch.device("cpu")] * 2

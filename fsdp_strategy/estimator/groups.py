@@ -10,14 +10,16 @@ pads and splits dim 0. :mod:`~fsdp_strategy.estimator.model_state` counts model 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from fsdp_strategy._compat import sharded_units
+from fsdp_strategy.estimator.tensor_split import TensorSplits
 from fsdp_strategy.plugins.precision import SUPPORTED_PRECISIONS
 from fsdp_strategy.sharding.mixed_precision import (
     FULL_PRECISION_POLICY,
@@ -65,6 +67,17 @@ class ParamInfo:
     reduce: int  # bytes per element when reduced
     trainable: bool
     name: str = ""  # qualified name in the module (a tied parameter's first name)
+    split_dim: int | None = None  # the dimension tensor parallelism divides (None: replicated over it)
+    split_ways: int = 1  # tensor-parallel ranks it is divided over
+
+    @property
+    def rank_shape(self) -> tuple[int, ...]:
+        """The shape one tensor-parallel rank holds (the first, largest chunk), which FSDP2 then shards."""
+        if self.split_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.split_dim] = math.ceil(shape[self.split_dim] / self.split_ways)
+        return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -86,18 +99,19 @@ def plan_groups(
     precision: str,
     wrap_policy: PolicyInput = "auto",
     frozen_dtype: torch.dtype | None = None,
+    splits: TensorSplits | None = None,
 ) -> list[UnitGroup]:
     """The parameter groups :func:`estimate_module` counts: each FSDP unit, root first (DDP: one group).
 
     ``frozen_dtype``: the dtype the frozen floating-point parameters are kept in (the strategy's ``frozen_dtype``
-    option, or a cast the user makes before DDP); ``None``: as built.
+    option, or a cast the user makes before DDP); ``None``: as built. ``splits``: the parameters tensor parallelism
+    divides (:func:`~fsdp_strategy.estimator.tensor_split.tensor_splits`); ``None``: none.
     """
     precision = canonical_precision(precision)
+    infos = partial(_param_infos, precision=precision, names=_names(module), frozen_dtype=frozen_dtype, splits=splits)
     if strategy == "ddp":
-        params = unique_parameters(module)
-        infos = _param_infos(params, precision, mixed_precision_policy(precision), _names(module), frozen_dtype)
-        return [UnitGroup(infos)]
-    return _unit_groups(module, precision, wrap_policy, frozen_dtype)
+        return [UnitGroup(infos(unique_parameters(module), policy=mixed_precision_policy(precision)))]
+    return _unit_groups(module, precision, wrap_policy, infos)
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -105,7 +119,7 @@ def _names(module: nn.Module) -> dict[int, str]:
 
 
 def _unit_groups(
-    module: nn.Module, precision: str, wrap_policy: PolicyInput, frozen_dtype: torch.dtype | None
+    module: nn.Module, precision: str, wrap_policy: PolicyInput, infos: Callable[..., list[ParamInfo]]
 ) -> list[UnitGroup]:
     """The units FSDP2Strategy shards ``module`` into (root first), each with its own parameters."""
     # Policies are None or a MixedPrecisionPolicy whose None dtypes mean "as stored".
@@ -122,13 +136,13 @@ def _unit_groups(
         planned = plan_units(module, policy, mp_policy=low or MixedPrecisionPolicy(), keep_norms_fp32=low is not None)
         units = [(list(u.modules), u.mp_policy, u.reshard_after_forward) for u in planned]
     owners = _assign_parameters(module, [[id(m) for m in members] for members, _, _ in units])
-    names, modules = _names(module), {id(m): name for name, m in module.named_modules()}
-    root = UnitGroup(_param_infos(owners.pop(-1), precision, low, names, frozen_dtype), is_root=True)
+    modules = {id(m): name for name, m in module.named_modules()}
+    root = UnitGroup(infos(owners.pop(-1), policy=low), is_root=True)
     return [
         root,
         *(
             UnitGroup(
-                _param_infos(owners[i], precision, policy, names, frozen_dtype),
+                infos(owners[i], policy=policy),
                 name=",".join(modules[id(m)] for m in members),
                 reshard_after_forward=reshard,
             )
@@ -162,10 +176,12 @@ def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 def _param_infos(
     params: Sequence[nn.Parameter],
+    *,
     precision: str,
     policy: MixedPrecisionPolicy | None,
     names: dict[int, str],
     frozen_dtype: torch.dtype | None,
+    splits: TensorSplits | None,
 ) -> list[ParamInfo]:
     infos = []
     true_dtype = _TRUE_DTYPES.get(precision)
@@ -184,13 +200,16 @@ def _param_infos(
                 reduce=reduce.itemsize,
                 trainable=param.requires_grad,
                 name=names.get(id(param), ""),
+                split_dim=None if splits is None else splits.dims.get(id(param)),
+                split_ways=1 if splits is None else splits.size,
             )
         )
     return infos
 
 
 def shard_numel(shape: tuple[int, ...], shards: int) -> int:
-    """Elements of rank 0's shard: FSDP2 splits dim 0 into ``shards`` chunks, the first one largest."""
+    """Elements of rank 0's shard: FSDP2 splits dim 0 into ``shards`` chunks, the first one largest. Under tensor
+    parallelism ``shape`` is a tensor-parallel rank's (:attr:`ParamInfo.rank_shape`)."""
     rows = shape[0] if shape else 1
     return math.ceil(rows / shards) * (math.prod(shape[1:]) if shape else 1)
 
@@ -202,7 +221,7 @@ class GroupSizes:
     sharded: int  # rank 0's shards of all parameters, storage dtype
     sharded_trainable: int  # of the trainable ones (gradients)
     sharded_trainable_reduce: int  # the gradient shard in reduce dtype (hybrid's all-reduce)
-    gathered: int  # full padded parameters in compute dtype
+    gathered: int  # full padded parameters in compute dtype (a tensor-parallel rank's part of them)
     gathered_grads: int  # full padded gradients in compute dtype (unsharded, before reduction)
     reduced: int  # full padded gradients in reduce dtype (reduce-scatter input)
     step_counters: int  # trainable parameter tensors (one optimizer step counter each)
@@ -211,7 +230,7 @@ class GroupSizes:
 def group_sizes(group: UnitGroup, shards: int) -> GroupSizes:
     sharded = sharded_trainable = sharded_reduce = gathered = gathered_grads = reduced = counters = 0
     for p in group.params:
-        numel = shard_numel(p.shape, shards)
+        numel = shard_numel(p.rank_shape, shards)
         sharded += numel * p.storage
         gathered += numel * shards * p.compute
         if p.trainable:

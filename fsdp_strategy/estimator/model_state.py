@@ -17,12 +17,20 @@ Communication figures are full-size tensor bytes per optimizer step (an all-gath
 gathered output, a reduce-scatter its unsharded input); a ring moves ``(n - 1) / n`` of that per
 rank for both, and twice that for an all-reduce (:attr:`Estimate.sent_bytes`). Nothing is counted
 for a group of one rank, where FSDP2 copies instead of communicating.
+
+Under tensor parallelism (``tensor_parallel_size`` above 1) the world is ``data_parallel x tensor_parallel``: a
+parameter the tensor-parallel ranks split (:mod:`~fsdp_strategy.estimator.tensor_split`) holds ``1 / (dp x tp)`` of
+its elements per rank, a replicated one ``1 / dp``; FSDP2 gathers and reduce-scatters each tensor-parallel rank's
+part over the data-parallel ranks. The activations a Colwise -> Rowwise pair all-reduces over the tensor-parallel
+ranks need a batch shape: they are counted from a traced step (:mod:`~fsdp_strategy.estimator.trace`), and are
+``None`` (not estimated) otherwise.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -35,9 +43,10 @@ from fsdp_strategy.estimator.groups import (
     group_sizes,
     plan_groups,
 )
+from fsdp_strategy.estimator.tensor_split import tensor_splits, unmodelled_styles
 from fsdp_strategy.option_checks import check_bool, check_positive_int
 from fsdp_strategy.sharding.frozen import FROZEN_DTYPES, frozen_cast_dtype
-from fsdp_strategy.sharding.mesh import resolve_mesh_shape
+from fsdp_strategy.sharding.mesh import data_parallel_world, resolve_mesh_shape
 from fsdp_strategy.sharding.policy import PolicyInput
 
 __all__ = [
@@ -73,7 +82,7 @@ class Estimate:
 
     strategy: str
     world_size: int
-    mesh: tuple[int, int]  # (replicate, shard)
+    mesh: tuple[int, int]  # (replicate, shard) of the data-parallel ranks
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -94,6 +103,10 @@ class Estimate:
     step_peak_bytes: int | None = None
     activation_bytes: int | None = None  # activations and temporaries at the moment of that peak
     checkpointed_peak_bytes: int | None = None
+    tensor_parallel: int = 1  # ranks that split each layer; world_size = replicate x shard x tensor_parallel
+    # per optimizer step: full-size activation bytes all-reduced over the tensor-parallel ranks (forward and
+    # backward of each Colwise -> Rowwise pair); None where no batch was traced to size them
+    tensor_parallel_all_reduce_bytes: int | None = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -114,12 +127,14 @@ class Estimate:
         replicate, shard = self.mesh
         gather_and_scatter = (self.all_gather_bytes + self.reduce_scatter_bytes) * (shard - 1) / shard
         reduce = 2 * self.all_reduce_bytes * (replicate - 1) / replicate
-        return round(gather_and_scatter + reduce)
+        tensor = self.tensor_parallel
+        activations = 2 * (self.tensor_parallel_all_reduce_bytes or 0) * (tensor - 1) / tensor
+        return round(gather_and_scatter + reduce + activations)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
-            "mesh": list(self.mesh),
+            "mesh": list(self.mesh),  # tensor_parallel is its own field
             "model_state_bytes": self.model_state_bytes,
             "peak_bytes": self.peak_bytes,
             "sent_bytes": self.sent_bytes,
@@ -141,8 +156,16 @@ def estimate_module(
     accumulate_grad_batches: int = 1,
     frozen_dtype: str | None = None,
     sync_grads_each_micro_batch: bool = False,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: Mapping[str, str] | None = None,
 ) -> Estimate:
     """Memory per rank and communication per optimizer step of training ``module`` with ``strategy``.
+
+    ``tensor_parallel_size`` (the strategy's option) splits ``world_size`` into data-parallel x tensor-parallel
+    ranks. Which parameters are split is read from ``module``'s DTensor placements when it is split already, else
+    from ``tensor_parallel_plan`` (Transformers' style strings by module name, ``*`` wildcards) or its Hugging Face
+    ``base_model_tp_plan``; with none of them the estimate counts every parameter as replicated and says so in
+    :attr:`Estimate.note`.
 
     Frozen parameters (``requires_grad=False``) count their storage only: no gradient, no optimizer state, nothing
     reduced. ``frozen_dtype`` (``"bfloat16"`` or ``"float16"``, the strategy's option of that name) is the dtype
@@ -165,10 +188,40 @@ def estimate_module(
     )
     check_bool("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
     frozen = _frozen_storage(frozen_dtype)
-    mesh, note = _mesh_for(strategy, world_size, processes_per_node)
-    groups = plan_groups(module, strategy=strategy, precision=precision, wrap_policy=wrap_policy, frozen_dtype=frozen)
-    accumulation = _Accumulation(accumulate_grad_batches, sharded=sync_grads_each_micro_batch)
-    return _estimate_groups(groups, strategy, world_size, mesh, precision, optimizer, accumulation, note)
+    tensor = _check_tensor_parallel(strategy, world_size, tensor_parallel_size, processes_per_node)
+    mesh, note = _mesh_for(strategy, world_size, processes_per_node, tensor)
+    splits = tensor_splits(module, tensor, tensor_parallel_plan)
+    groups = plan_groups(
+        module, strategy=strategy, precision=precision, wrap_policy=wrap_policy, frozen_dtype=frozen, splits=splits
+    )
+    unmodelled = unmodelled_styles(splits.styles)
+    notes = [note, splits.note, f"collectives of {', '.join(unmodelled)} layers not estimated" if unmodelled else ""]
+    estimate = _estimate_groups(
+        groups,
+        strategy,
+        world_size,
+        mesh,
+        precision,
+        optimizer,
+        _Accumulation(accumulate_grad_batches, sharded=sync_grads_each_micro_batch),
+        "; ".join(filter(None, notes)),
+    )
+    if tensor == 1:
+        return estimate
+    return replace(estimate, tensor_parallel=tensor, tensor_parallel_all_reduce_bytes=None)
+
+
+def _check_tensor_parallel(
+    strategy: str, world_size: int, tensor_parallel_size: int, processes_per_node: int | None
+) -> int:
+    check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    if tensor_parallel_size > 1 and strategy == "ddp":
+        raise ValueError(
+            f"`tensor_parallel_size={tensor_parallel_size}` needs an fsdp2 strategy (FSDP2Strategy splits layers over"
+            f" a tensor_parallel mesh dimension); got strategy='ddp'. Use tensor_parallel_size=1 with ddp."
+        )
+    data_parallel_world(world_size, tensor_parallel_size, processes_per_node)  # raises when it does not divide
+    return tensor_parallel_size
 
 
 def _check_options(
@@ -207,26 +260,29 @@ def check_optimizer(optimizer: str) -> None:
         raise ValueError(f"`optimizer` must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}.")
 
 
-def _mesh_for(strategy: str, world_size: int, processes_per_node: int | None) -> tuple[tuple[int, int], str]:
-    """``(replicate, shard)`` and a note on how it was chosen."""
+def _mesh_for(
+    strategy: str, world_size: int, processes_per_node: int | None, tensor: int = 1
+) -> tuple[tuple[int, int], str]:
+    """``(replicate, shard)`` of the data-parallel ranks (the world over ``tensor`` tensor-parallel ranks) and a
+    note on how it was chosen."""
+    ranks = world_size // tensor
     if strategy == "ddp":
-        return (world_size, 1), ""
+        return (ranks, 1), ""
     if strategy == "fsdp2_offload":
-        return (1, world_size), "CUDA only; the sharded state lives in host memory"
+        return (1, ranks), "CUDA only; the sharded state lives in host memory"
     if strategy != "fsdp2_hybrid":
-        return (1, world_size), ""
+        return (1, ranks), ""
     if processes_per_node is not None:
         if world_size % processes_per_node:
             raise ValueError(node_size_mismatch(processes_per_node, world_size))
-        mesh = resolve_mesh_shape(
-            world_size, replicate_size=None, shard_size=None, processes_per_node=processes_per_node
-        )
-        return mesh, ""
-    if world_size % 2 == 0:
+        per_node = processes_per_node // tensor
+        return resolve_mesh_shape(ranks, replicate_size=None, shard_size=None, processes_per_node=per_node), ""
+    if ranks % 2 == 0:
         per_node = world_size // 2
         processes = f"{per_node} process{'es' if per_node > 1 else ''}"
-        return (2, per_node), f"assumes 2 nodes of {processes} (set processes_per_node)"
-    return (1, world_size), f"one node assumed (world size {world_size} is odd): same as fsdp2"
+        return (2, ranks // 2), f"assumes 2 nodes of {processes} (set processes_per_node)"
+    odd = f"world size {world_size} is odd" if tensor == 1 else f"{ranks} data-parallel ranks, an odd number"
+    return (1, ranks), f"one node assumed ({odd}): same as fsdp2"
 
 
 def node_size_mismatch(processes_per_node: int, world_size: int) -> str:

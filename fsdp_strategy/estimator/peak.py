@@ -15,7 +15,8 @@ measures (``live peak``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from fsdp_strategy.estimator.groups import (
     shard_numel,
 )
 from fsdp_strategy.estimator.model_state import Estimate
+from fsdp_strategy.estimator.tensor_split import TensorSplits, all_reduced_activation_bytes, tensor_splits
 from fsdp_strategy.estimator.trace import StepTrace, trace_step
 from fsdp_strategy.sharding.policy import ModulePolicy, PolicyInput
 
@@ -66,13 +68,17 @@ class StepPeaks:
         precision: str,
         wrap_policy: PolicyInput = "auto",
         activation_checkpointing: ModulePolicy | None = None,
+        tensor_parallel_plan: Mapping[str, str] | None = None,
     ) -> None:
         self.build = build
+        # Under tensor parallelism: how the layers are split (else the model's base_model_tp_plan). The replay counts
+        # each tensor-parallel rank's part of the units, and the trace sizes the split layers' activations.
+        self.tensor_parallel_plan = tensor_parallel_plan
         self.make_batch = make_batch
         self.precision = precision
         self.wrap_policy = wrap_policy
         self.activation_checkpointing = activation_checkpointing
-        self._traces: dict[tuple[bool, int, bool], tuple[StepTrace, list[UnitGroup]]] = {}
+        self._traces: dict[tuple[bool, int, bool, int], tuple[StepTrace, list[UnitGroup], TensorSplits]] = {}
 
     def peak(
         self, estimate: Estimate, *, micro_batch_size: int, checkpointed: bool = False, accumulate: int = 1
@@ -80,12 +86,34 @@ class StepPeaks:
         """The peak of ``estimate``'s strategy and world size at ``micro_batch_size`` samples per forward."""
         if checkpointed and self.activation_checkpointing is None:
             raise ValueError("`checkpointed=True` needs an activation_checkpointing policy.")
+        trace, groups, _ = self._trace(estimate, micro_batch_size, checkpointed)
+        return step_peak(trace, groups, estimate, accumulate=accumulate)
+
+    def tensor_parallel_all_reduce(
+        self, estimate: Estimate, *, micro_batch_size: int, accumulate: int = 1
+    ) -> int | None:
+        """Activation bytes ``estimate``'s tensor-parallel layers all-reduce per optimizer step (see
+        :func:`~fsdp_strategy.estimator.tensor_split.all_reduced_activation_bytes`), from the traced step; ``None``
+        when the split is not known."""
+        trace, _, splits = self._trace(estimate, micro_batch_size, checkpointed=False)
+        if not splits.styles:
+            return None
+        return accumulate * all_reduced_activation_bytes(trace.layer_activations, splits.styles)
+
+    def _trace(
+        self, estimate: Estimate, micro_batch_size: int, checkpointed: bool
+    ) -> tuple[StepTrace, list[UnitGroup], TensorSplits]:
         sharded = estimate.strategy != "ddp"
-        key = (sharded, micro_batch_size, checkpointed)
+        key = (sharded, micro_batch_size, checkpointed, estimate.tensor_parallel)
         if key not in self._traces:
             model = self.build()
+            splits = tensor_splits(model, estimate.tensor_parallel, self.tensor_parallel_plan)
             groups = plan_groups(
-                model, strategy=estimate.strategy, precision=self.precision, wrap_policy=self.wrap_policy
+                model,
+                strategy=estimate.strategy,
+                precision=self.precision,
+                wrap_policy=self.wrap_policy,
+                splits=splits,
             )
             policy = self.activation_checkpointing if checkpointed else None
             trace = trace_step(
@@ -96,10 +124,10 @@ class StepPeaks:
                 groups=groups,
                 sharded=sharded,
                 activation_checkpointing=policy,
+                layers=list(splits.styles),
             )
-            self._traces[key] = (trace, groups)
-        trace, groups = self._traces[key]
-        return step_peak(trace, groups, estimate, accumulate=accumulate)
+            self._traces[key] = (trace, groups, splits)
+        return self._traces[key]
 
 
 # --- replaying a trace for one strategy ---------------------------------------------------------------------------
@@ -156,7 +184,7 @@ def _optimizer_temporaries(groups: Sequence[UnitGroup], estimate: Estimate, shar
     if estimate.optimizer not in ("adam", "adamw"):
         return 0
     largest = max(
-        (shard_numel(p.shape, shards) * p.storage for g in groups for p in g.params if p.trainable), default=0
+        (shard_numel(p.rank_shape, shards) * p.storage for g in groups for p in g.params if p.trainable), default=0
     )
     return _ADAM_TEMPORARIES * largest
 
@@ -190,6 +218,13 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[UnitGroup], estimate: Estima
     shards = estimate.mesh[1]
     sizes = {g.name if not g.is_root else "": group_sizes(g, shards) for g in groups}
     owner = {p.name: ("" if g.is_root else g.name) for g in groups for p in g.params}
+    # The trace runs the unsplit model: a tensor-parallel rank's gradient is its part of the traced one.
+    rank_part = {
+        p.name: math.prod(p.rank_shape) / (math.prod(p.shape) or 1)
+        for g in groups
+        for p in g.params
+        if p.split_dim is not None
+    }
     reshard_after_forward = estimate.strategy != "fsdp2_grad_op"
     # Groups sharded with reshard_after_forward=False stay gathered from their forward until their backward.
     kept = {g.name for g in groups if not g.is_root and g.reshard_after_forward is False}
@@ -308,10 +343,11 @@ def _replay_fsdp(trace: StepTrace, groups: Sequence[UnitGroup], estimate: Estima
                 prefetch(order[order.index(unit) - 1])
         elif kind == "grad":
             unit = owner.get(record[1], "")
+            grad = round(record[2] * rank_part.get(record[1], 1.0))
             if accumulated[unit] and sizes[unit].reduced == sizes[unit].gathered_grads:
-                peak.see(total(record[2]), activations, phase)  # added in place to the accumulated gradient
+                peak.see(total(grad), activations, phase)  # added in place to the accumulated gradient
             else:
-                unsharded[unit] += record[2]
+                unsharded[unit] += grad
         elif kind == "bw_end":
             backward_done[record[1]] = backward_done.get(record[1], 0) + 1
             if backward_done[record[1]] >= members.get(record[1], 1):

@@ -102,6 +102,8 @@ def estimate(
     sample_batch: str | Callable[[int], Any] | None = None,
     activation_checkpointing: PolicyInput = None,
     frozen_dtype: str | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: dict[str, str] | None = None,
 ) -> EstimateReport:
     """Estimates every strategy in ``strategies`` at every world size for a module built on the meta device.
 
@@ -121,6 +123,11 @@ def estimate(
     ``frozen_dtype`` counts frozen parameters in that dtype (see :func:`estimate_module`); the traced peak keeps
     them as built.
 
+    ``tensor_parallel_size`` (the strategy's option) splits each world size into data-parallel x tensor-parallel
+    ranks (``ddp`` is skipped): the split parameters are read from ``tensor_parallel_plan`` (Transformers' style
+    strings by module name) or the model's Hugging Face ``base_model_tp_plan``, and a row's note says when neither
+    exists. The activations tensor parallelism all-reduces are counted from the traced step, when there is one.
+
     Raises:
         ValueError / TypeError: a bad option, a target that cannot be imported or built.
     """
@@ -133,6 +140,7 @@ def estimate(
     if processes_per_node is not None:
         check_positive_int("processes_per_node", processes_per_node)
     check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    check_positive_int("tensor_parallel_size", tensor_parallel_size)
     make_batch = _batch_factory(batch_size, seq_len, sample_batch, activation_checkpointing)
     checkpointing = normalize_policy(activation_checkpointing, option="activation_checkpointing")
     if is_weights_directory(target):
@@ -146,10 +154,12 @@ def estimate(
         cls = load_target(target)
         model = build_on_meta(cls, init_args or {})
     rows, skipped = [], []
+    tensor = {"tensor_parallel_size": tensor_parallel_size, "tensor_parallel_plan": tensor_parallel_plan}
     for world_size in world_sizes:
         for strategy in strategies:
-            if strategy == "fsdp2_hybrid" and processes_per_node is not None and world_size % processes_per_node:
-                skipped.append((strategy, world_size, node_size_mismatch(processes_per_node, world_size)))
+            reason = _skip_reason(strategy, world_size, processes_per_node, tensor_parallel_size)
+            if reason:
+                skipped.append((strategy, world_size, reason))
                 continue
             rows.append(
                 estimate_module(
@@ -162,6 +172,7 @@ def estimate(
                     wrap_policy=wrap_policy,
                     accumulate_grad_batches=accumulate_grad_batches,
                     frozen_dtype=frozen_dtype,
+                    **tensor,
                 )
             )
     peaks = None
@@ -172,6 +183,7 @@ def estimate(
             precision=precision,
             wrap_policy=wrap_policy,
             activation_checkpointing=checkpointing,
+            tensor_parallel_plan=tensor_parallel_plan,
         )
         rows = [_with_step_peak(row, peaks, batch_size, accumulate_grad_batches) for row in rows]
     if budget_bytes is None:
@@ -194,6 +206,7 @@ def estimate(
                     wrap_policy=wrap_policy,
                     accumulate_grad_batches=accumulate,
                     frozen_dtype=frozen_dtype,
+                    **tensor,
                 )
 
             recommendations.append(
@@ -256,8 +269,21 @@ def _batch_factory(
     return load_function(sample_batch, option="sample_batch")
 
 
+def _skip_reason(strategy: str, world_size: int, processes_per_node: int | None, tensor_parallel_size: int) -> str:
+    if tensor_parallel_size > 1 and strategy == "ddp":
+        return "ddp does not split layers (tensor_parallel_size needs an fsdp2 strategy)"
+    if world_size % tensor_parallel_size:
+        return f"tensor_parallel_size={tensor_parallel_size} does not divide the world size"
+    if strategy == "fsdp2_hybrid" and processes_per_node is not None and world_size % processes_per_node:
+        return node_size_mismatch(processes_per_node, world_size)
+    return ""
+
+
 def _with_step_peak(row: Estimate, peaks: StepPeaks, batch_size: int, accumulate: int) -> Estimate:
     peak = peaks.peak(row, micro_batch_size=batch_size, accumulate=accumulate)
+    if row.tensor_parallel > 1:
+        traffic = peaks.tensor_parallel_all_reduce(row, micro_batch_size=batch_size, accumulate=accumulate)
+        row = replace(row, tensor_parallel_all_reduce_bytes=traffic)
     checkpointed = None
     if peaks.activation_checkpointing is not None:
         checkpointed = peaks.peak(row, micro_batch_size=batch_size, checkpointed=True, accumulate=accumulate).bytes
@@ -342,23 +368,26 @@ _STEP_PEAK = (
 )
 
 
-def _columns(traced: bool, checkpointed: bool) -> list[str]:
+def _columns(traced: bool, checkpointed: bool, tensor_parallel: bool) -> list[str]:
     peaks = ["activations", "peak*"] + (["checkpointed*"] if checkpointed else []) if traced else ["peak*"]
-    return [*_STATE, *peaks, *_COMMUNICATION]
+    return [*_STATE, *peaks, *_COMMUNICATION, *(["tp all-reduce"] if tensor_parallel else [])]
 
 
-def _cells(row: Estimate, traced: bool, checkpointed: bool) -> list[str]:
+def _cells(row: Estimate, traced: bool, checkpointed: bool, tensor_parallel: bool) -> list[str]:
     def size(value: int | None) -> str:
         return format_bytes(value) if value else "-"
 
     peaks = [size(row.activation_bytes), format_bytes(row.peak_bytes)] if traced else [format_bytes(row.peak_bytes)]
     peaks += [size(row.checkpointed_peak_bytes)] if checkpointed else []
+    mesh = "x".join(str(n) for n in (*row.mesh, *([row.tensor_parallel] if tensor_parallel else [])))
+    activations = row.tensor_parallel_all_reduce_bytes
     return [
         row.strategy,
-        f"{row.mesh[0]}x{row.mesh[1]}",
+        mesh,
         *(size(v) for v in (row.param_bytes, row.grad_bytes, row.optimizer_bytes, row.largest_unit_bytes)),
         *peaks,
         *(size(v) for v in (row.all_gather_bytes, row.reduce_scatter_bytes, row.all_reduce_bytes, row.host_bytes)),
+        *([("n/e" if activations is None else size(activations))] if tensor_parallel else []),
     ]
 
 
@@ -378,16 +407,31 @@ def render_table(report: EstimateReport) -> str:
         "Bytes per rank; communication in full-size bytes per optimizer step.",
     ]
     traced, checkpointed = report.batch_size is not None, report.activation_checkpointing is not None
+    tensor_parallel = any(r.tensor_parallel > 1 for r in report.rows)
     # A world size where every strategy was skipped has no rows, only its reasons.
     world_sizes = sorted({r.world_size for r in report.rows} | {w for _, w, _ in report.skipped})
     for world_size in world_sizes:
         rows = [r for r in report.rows if r.world_size == world_size]
         lines += ["", f"world size {world_size}"]
-        table = [_columns(traced, checkpointed), *(_cells(r, traced, checkpointed) for r in rows)]
+        table = [
+            _columns(traced, checkpointed, tensor_parallel),
+            *(_cells(r, traced, checkpointed, tensor_parallel) for r in rows),
+        ]
         lines += _aligned(table) if rows else []
         lines += [f"  {r.strategy}: {r.note}" for r in rows if r.note]
         lines += [f"  {s}: skipped: {why}" for s, w, why in report.skipped if w == world_size]
     lines += ["", f"* peak: {_STEP_PEAK.format(batch=report.batch_size) if traced else _PEAK}."]
+    if tensor_parallel:
+        lines.append(
+            "  mesh: replicate x shard x tensor_parallel; tp all-reduce: the activations the tensor-parallel ranks"
+            " all-reduce (n/e: not estimated, without a batch size or a known split)."
+            + (
+                " Activations are traced on the unsplit model, the peak's share of them an upper bound: each rank"
+                " keeps only its part of a split layer's activations."
+                if traced
+                else ""
+            )
+        )
     if checkpointed:
         lines.append(f"  checkpointed: the same with activation checkpointing of {report.activation_checkpointing}.")
     if report.budget is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,9 @@ class StepTrace:
     units: tuple[str, ...]  # units in the order their forward ran (FSDP2 prefetches backward in reverse)
     batch_size: int
     activation_checkpointing: str | None
+    # For each layer named in trace_step's `layers`: the bytes of its input and of its output over the step's
+    # forward (recomputation left out), the activations tensor parallelism communicates around it.
+    layer_activations: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def token_batch(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -79,8 +82,11 @@ def trace_step(
     groups: Sequence[UnitGroup],
     sharded: bool,
     activation_checkpointing: ModulePolicy | None = None,
+    layers: Sequence[str] = (),
 ) -> StepTrace:
     """Runs ``model.training_step`` and backward once on fake tensors and records what it holds (see the module).
+    ``layers``: qualified module names whose input and output bytes the trace adds up (tensor parallelism's
+    collectives, :attr:`StepTrace.layer_activations`).
 
     ``model`` is consumed: its parameters and buffers are replaced by fake ones (build it on the meta device
     for this). ``groups`` is the plan of the strategy traced for (``sharded``: FSDP2's units, whose parameters
@@ -107,6 +113,7 @@ def trace_step(
     state = _Hooks(
         model, groups, records, live, {name: dtypes.get(name) for name in params} if sharded and mixed else None
     )
+    state.watch_layers(model, layers)
     batch_tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
     live.track(params.values(), "param")
     live.track(buffers, "buffer")
@@ -137,6 +144,7 @@ def trace_step(
         units=tuple(state.forward_order),
         batch_size=batch_size,
         activation_checkpointing=None if activation_checkpointing is None else activation_checkpointing.describe(),
+        layer_activations=state.layer_activations,
     )
 
 
@@ -221,6 +229,7 @@ class _Hooks:
         self.backward = False
         self.forward_order: list[str] = []
         self.handles: list[Any] = []
+        self.layer_activations: dict[str, tuple[int, int]] = {}
         for group in groups:
             if group.is_root or not group.name:
                 continue
@@ -274,6 +283,20 @@ class _Hooks:
 
         return hook
 
+    def watch_layers(self, model: nn.Module, layers: Sequence[str]) -> None:
+        for name in layers:
+            self.layer_activations[name] = (0, 0)
+            self.handles.append(model.get_submodule(name).register_forward_hook(self._layer_bytes(name)))
+
+    def _layer_bytes(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self.backward:  # activation checkpointing's recomputation
+                return
+            inputs, outputs = self.layer_activations[name]
+            self.layer_activations[name] = (inputs + _tensor_bytes(args), outputs + _tensor_bytes(output))
+
+        return hook
+
     def _grad(self, name: str) -> Callable:
         def hook(param: Tensor) -> None:
             if param.grad is not None and self.live.category_of(param.grad) != "grad":
@@ -284,3 +307,7 @@ class _Hooks:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _tensor_bytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))

@@ -221,6 +221,9 @@ class ShardingMonitor(Callback):
             all_reduce_bytes=None,
             sent_bytes=None,
             estimated_model_state_bytes=None,
+            mesh=None,
+            tensor_parallel_all_reduce_bytes=None,
+            estimate_note="",
             communication_note=self._communication_note,
         )
         if self._communication is not None:

@@ -29,7 +29,12 @@ def plan_of(strategy: Any) -> dict[str, Any] | None:
     if sharding is not None:
         return _fsdp2_plan(sharding)
     if isinstance(strategy, DDPStrategy):
-        return {"strategy": "ddp", "processes_per_node": None, "sync_grads_each_micro_batch": False}
+        return {
+            "strategy": "ddp",
+            "processes_per_node": None,
+            "sync_grads_each_micro_batch": False,
+            "tensor_parallel_size": 1,
+        }
     return None
 
 
@@ -51,9 +56,11 @@ def _fsdp2_plan(plan: ShardingPlan) -> dict[str, Any] | None:
         name = "fsdp2"
     else:  # resharding to a smaller group in forward is a plan the estimator does not model
         return None
+    tensor = plan.tensor_parallel_size
     return {
         "strategy": name,
-        "processes_per_node": shard if replicate > 1 else None,
+        "processes_per_node": shard * tensor if replicate > 1 else None,
+        "tensor_parallel_size": tensor,
         "sync_grads_each_micro_batch": plan.sync_grads_each_micro_batch,
     }
 
@@ -99,6 +106,7 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict
         processes_per_node=plan["processes_per_node"],
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         sync_grads_each_micro_batch=plan["sync_grads_each_micro_batch"],
+        tensor_parallel_size=plan["tensor_parallel_size"],
     )
     return estimate_figures(estimate), ""
 
@@ -106,8 +114,12 @@ def communication_estimate(trainer: pl.Trainer, module: nn.Module) -> tuple[dict
 def estimate_figures(estimate: Estimate) -> dict[str, Any]:
     """The estimate's communication per step and the model state per rank, wherever it is kept:
     ``fsdp2_offload`` keeps it in host memory, and the measured state counts it there too."""
+    tensor_parallel = estimate.tensor_parallel_all_reduce_bytes
     return {
         "strategy": estimate.strategy,
+        "mesh": [*estimate.mesh, estimate.tensor_parallel],  # (replicate, shard, tensor_parallel)
+        "tensor_parallel_all_reduce_bytes": None if tensor_parallel is None else float(tensor_parallel),
+        "estimate_note": estimate.note,
         "all_gather_bytes": float(estimate.all_gather_bytes),
         "reduce_scatter_bytes": float(estimate.reduce_scatter_bytes),
         "all_reduce_bytes": float(estimate.all_reduce_bytes),

@@ -109,6 +109,22 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _mesh(mesh: list[int] | None) -> str:
+    if not mesh:
+        return ""
+    replicate, shard, tensor = mesh
+    return f", mesh {replicate} replicate x {shard} shard" + (f" x {tensor} tensor_parallel" if tensor > 1 else "")
+
+
+def _tensor_parallel(summary: dict[str, Any]) -> str:
+    if not summary.get("mesh") or summary["mesh"][2] == 1:
+        return ""
+    if summary.get("tensor_parallel_all_reduce_bytes") is None:
+        # The monitor traces no batch: activation sizes, and the ring sends they add, are left out.
+        return ", tensor-parallel activation all-reduce not estimated"
+    return f", tensor-parallel activation all-reduce {_bytes(summary['tensor_parallel_all_reduce_bytes'])}"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a table that reads well in a terminal."""
     cuda = any(r["peak_allocated_bytes"] is not None for r in summary["ranks"])
@@ -147,14 +163,17 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if summary.get("all_gather_bytes") is not None:
         lines.append(
-            f"communication per step and rank ({summary['strategy']} plan): all-gather"
+            f"communication per step and rank ({summary['strategy']} plan{_mesh(summary.get('mesh'))}): all-gather"
             f" {_bytes(summary['all_gather_bytes'])}, reduce-scatter {_bytes(summary['reduce_scatter_bytes'])},"
-            f" all-reduce {_bytes(summary['all_reduce_bytes'])}; ring sends {_bytes(summary['sent_bytes'])}"
+            f" all-reduce {_bytes(summary['all_reduce_bytes'])}{_tensor_parallel(summary)};"
+            f" ring sends {_bytes(summary['sent_bytes'])}"
         )
         lines.append(
             f"model state per rank: measured {_bytes(summary['max_model_state_bytes'])} (largest rank),"
             f" estimated {_bytes(summary['estimated_model_state_bytes'])}"
         )
+        if summary.get("estimate_note"):
+            lines.append(f"estimate: {summary['estimate_note']}")
     else:
         lines.append(f"communication per step: n/a ({summary.get('communication_note', 'no sharding plan')})")
     return "\n".join(lines)

@@ -105,6 +105,7 @@ def _estimate(args: argparse.Namespace) -> int:
             activation_checkpointing=_policy(args.activation_checkpointing),
             accumulate_grad_batches=args.accumulate_grad_batches,
             frozen_dtype=args.frozen_dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except (TypeError, ValueError) as exc:  # a bad option, a class that cannot be imported or built
         print(f"fsdp-strategy estimate: error: {exc}", file=sys.stderr)
@@ -174,6 +175,14 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         type=_positive_int,
         metavar="N",
         help="fsdp2_hybrid's shard size (default: half the world size, i.e. 2 nodes)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="ranks that split each layer (the strategy's tensor_parallel_size), by the model's Hugging Face"
+        " base_model_tp_plan; the tensor-parallel activation all-reduce needs --batch-size (default: 1)",
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all of them)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
