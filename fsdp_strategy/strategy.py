@@ -189,7 +189,7 @@ class FSDP2Strategy(ParallelStrategy):
             self.options.reshard_after_forward,
             cpu_offload=self.sharding.offload,
             sync_grads_each_micro_batch=self.options.sync_grads_each_micro_batch,
-            tensor_parallel_size=self.options.tensor_parallel_size,
+            tensor_parallel_size=self.sharding.tensor_parallel_size(self.num_processes),
         )
 
     def set_world_ranks(self) -> None:

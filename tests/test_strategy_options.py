@@ -230,7 +230,10 @@ def test_process_group_backend_is_exposed():
         ("fsdp2_grad_op", ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=False, cpu_offload=False)),
         ("fsdp2_hybrid", ShardingPlan(mesh_shape=(2, 2), reshard_after_forward=True, cpu_offload=False)),
         # A tensor-parallel group per node: the 2 nodes are the data-parallel ranks.
-        ("fsdp2_tp", ShardingPlan(mesh_shape=(1, 2), reshard_after_forward=True, cpu_offload=False)),
+        (
+            "fsdp2_tp",
+            ShardingPlan(mesh_shape=(1, 2), reshard_after_forward=True, cpu_offload=False, tensor_parallel_size=2),
+        ),
         (
             "fsdp2_find_unused_parameters_true",
             ShardingPlan(mesh_shape=(1, 4), reshard_after_forward=True, cpu_offload=False),
