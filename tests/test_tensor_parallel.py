@@ -24,7 +24,12 @@ from fsdp_strategy.sharding.mesh import (
     data_parallel_world,
     tensor_parallel_mesh,
 )
-from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan
+from fsdp_strategy.sharding.tensor_parallel import (
+    _matching,
+    apply_tensor_parallel_plan,
+    check_even_split,
+    hugging_face_plans,
+)
 from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
 
@@ -227,6 +232,31 @@ def test_a_plan_this_strategy_cannot_apply_is_refused_by_name(tensor_mesh, plan,
     module.model.config.base_model_tp_plan = plan
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_tensor_parallel_plan(module, tensor_mesh)
+
+
+def test_a_split_that_does_not_divide_the_heads_or_a_layer_is_refused_before_the_first_forward():
+    # torch would raise a shape error in the first forward, naming neither the option nor the layer.
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    ((_, base_model, plan),) = hugging_face_plans(TinyLlama())
+    layers = {name: style for pattern, style in plan.items() for name in _matching(base_model, pattern)}
+    check_even_split(base_model, layers, 2)  # 4 query and 2 key/value heads, even widths: splits
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`tensor_parallel_size=4` does not split LlamaModel evenly: config.num_key_value_heads is 2. Use a"
+            " tensor_parallel_size that divides it (1, 2), or split the model yourself in `configure_model()`."
+        ),
+    ):
+        check_even_split(base_model, layers, 4)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("0.weight dimension 1 (rowwise) is 6. Use a tensor_parallel_size that divides it (1, 2, 3, 6)"),
+    ):
+        check_even_split(nn.Sequential(nn.Linear(6, 8)), {"0": "rowwise"}, 4)
+    with pytest.raises(ValueError, match=re.escape("0.weight dimension 1 (colwise) is 10")):
+        check_even_split(nn.Sequential(nn.Embedding(8, 10)), {"0": "colwise"}, 4)
 
 
 class ShardedInConfigureModel(TensorParallelGPT):

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["PLAN_STYLES", "apply_tensor_parallel_plan", "hugging_face_plans", "is_parallelized"]
+__all__ = ["PLAN_STYLES", "apply_tensor_parallel_plan", "check_even_split", "hugging_face_plans", "is_parallelized"]
 
 # Transformers' plan strings -> torch's styles. "colwise" leaves each rank its columns (heads) and output;
 # "rowwise" takes them and all-reduces its output; "_rep" ends (or starts) with the whole activation.
@@ -79,6 +79,7 @@ def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
         )
     for name, base_model, plan in plans:
         styles: dict[str, ParallelStyle] = {}
+        split_layers: dict[str, str] = {}
         for pattern, style in plan.items():
             if style not in PLAN_STYLES:
                 raise ValueError(
@@ -89,6 +90,7 @@ def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
                 )
             for layer in _matching(base_model, pattern):
                 styles.update(_layer_styles(layer, base_model.get_submodule(layer), style, mesh.size()))
+                split_layers[layer] = style
         if not styles:
             # parallelize_module only warns about a pattern that names no module: the model would train whole on
             # every tensor-parallel rank.
@@ -97,8 +99,43 @@ def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
                 f" ({name or 'the module'}) names no module of it ({list(plan)[:3]} ...). Split the model in"
                 " `configure_model()` with `parallelize_module`, or set `tensor_parallel_size=1`."
             )
+        check_even_split(base_model, split_layers, mesh.size())
         parallelize_module(base_model, mesh, styles)
     return [name for name, _, _ in plans]
+
+
+# Transformers' attention reshapes each rank's projection into its whole heads: the head counts must split evenly.
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
+
+
+def check_even_split(base_model: nn.Module, split_layers: dict[str, str], size: int) -> None:
+    """Raises ``ValueError`` when ``size`` tensor-parallel ranks cannot split ``base_model`` evenly: a head count of
+    its config (when a layer is split colwise) or the split dimension of a layer of ``split_layers`` (name ->
+    plan style). torch would fail later, in the first forward, with a shape error that names neither."""
+    uneven: list[tuple[str, int]] = []
+    if any(style.startswith("colwise") for style in split_layers.values()):
+        config = getattr(base_model, "config", None)
+        for field in _HEAD_COUNTS:
+            count = getattr(config, field, None)
+            if isinstance(count, int) and count % size:
+                uneven.append((f"config.{field}", count))
+    for name, style in split_layers.items():
+        layer = base_model.get_submodule(name)
+        weight = getattr(getattr(layer, "base_layer", layer), "weight", None)
+        if weight is None or weight.dim() != 2 or style == "sequence_parallel":
+            continue
+        # nn.Linear holds (out, in): colwise splits the outputs; nn.Embedding holds (rows, dim): rowwise splits rows.
+        dim = int(style.startswith("colwise")) if isinstance(layer, nn.Embedding) else int(style.startswith("rowwise"))
+        if weight.shape[dim] % size:
+            uneven.append((f"{name}.weight dimension {dim} ({style})", weight.shape[dim]))
+    if uneven:
+        what, count = uneven[0]
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(
+            f"`tensor_parallel_size={size}` does not split {type(base_model).__name__} evenly: {what} is {count}"
+            f"{f' (and {len(uneven) - 1} more)' if len(uneven) > 1 else ''}. Use a tensor_parallel_size that divides"
+            f" it ({', '.join(map(str, divisors))}), or split the model yourself in `configure_model()`."
+        )
 
 
 def _matching(model: nn.Module, pattern: str) -> list[str]:
