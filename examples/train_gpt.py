@@ -22,7 +22,7 @@ from gpt import GPT, ByteTextDataModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-import fsdp_strategy  # registers "fsdp2", "fsdp2_grad_op", "fsdp2_hybrid", "fsdp2_offload"
+import fsdp_strategy  # registers the strategy names ("fsdp2", "fsdp2_hybrid", "fsdp2_tp", ...)
 from fsdp_strategy import ShardingMonitor
 
 

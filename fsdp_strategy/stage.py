@@ -87,7 +87,7 @@ class ShardingArguments:
     host_group: Any  # the process group of host-side collectives (the buffers' broadcast)
     init_weights: Callable[[nn.Module], None] | None  # loads `init_weights` into the sharded module
     restore: Callable[[], None]  # loads what a checkpoint could not put in before sharding
-    tensor_mesh: DeviceMesh | None = None  # the `tensor_parallel` dimension, under tensor_parallel_size > 1
+    tensor_mesh: DeviceMesh | None = None  # the `tensor_parallel` dimension: under tensor_parallel_size > 1 or "auto"
 
 
 class ModuleSharding:

@@ -1,5 +1,6 @@
-"""A GPT written for Lightning's ``ModelParallelStrategy`` (``testkit.tensor_parallel``) under ``fsdp2`` with
-``tensor_parallel_size=2``, under ``ModelParallelStrategy`` itself, and as a plain module under 1-D ``fsdp2``.
+"""A GPT written for Lightning's ``ModelParallelStrategy`` (``testkit.tensor_parallel``) and Hugging Face Llamas under
+``fsdp2`` with ``tensor_parallel_size=2`` (with hybrid sharding too), under ``ModelParallelStrategy`` itself, and as
+plain modules under 1-D ``fsdp2`` and DDP: the runs each test compares.
 
 Each run is ``strategy/parallelize/clip``, optionally followed by ``/precision=P`` and ``/accumulate=N`` (``--runs``):
 

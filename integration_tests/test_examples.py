@@ -31,8 +31,10 @@ def test_finetune_lora_exports_an_adapter_that_peft_loads_to_the_runs_logits(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["loss_last"] < summary["loss_first"]
     assert f"on {devices} processes" in printed and "max |logits difference|" in printed
-    # Split over tensor-parallel ranks the run's sums go in another order than one process's (measured: 4e-7).
-    assert summary["max_logit_difference"] <= 1e-5
+    if tensor_parallel_size == 1:
+        assert summary["max_logit_difference"] == 0
+    else:  # split over tensor-parallel ranks the run's sums go in another order than one process's (measured: 4e-7)
+        assert summary["max_logit_difference"] <= 1e-5
     # The checkpoint is an adapter checkpoint: it records the base directory and leaves the frozen weights out.
     record = json.loads((out / "lora.ckpt" / "adapter.json").read_text())
     assert record["init_weights"]["path"] == str(out / "base")

@@ -13,6 +13,7 @@ from fsdp_strategy.estimator.model_state import estimate_module
 from fsdp_strategy.step.unused import supported as reduces_zeros_for_unused_parameters
 from integration_tests.conftest import launch, max_relative_difference, torchrun
 from testkit.models import TinyLM
+from testkit.tensor_parallel import TensorParallelGPT, plan_styles
 
 ACCUMULATE = 4
 
@@ -75,6 +76,27 @@ def test_with_tensor_parallelism_one_all_reduce_per_unit_and_step(tensor_paralle
     # tensor parallelism's own all-reduces, in forward and backward of every micro-batch, are left as they were
     assert synced["tensor_parallel/all_reduce"] == default["tensor_parallel/all_reduce"]
     assert min(default["tensor_parallel/all_reduce"]) > 0
+
+
+def test_with_tensor_parallelism_the_estimate_counts_the_all_reduce_issued(tensor_parallel_results) -> None:
+    # The runs' module estimated from its shapes, split by the plan its configure_model applies.
+    with torch.device("meta"):
+        model = TensorParallelGPT("tp")
+    for run, sync in ((HYBRID_TP_SYNC, True), (HYBRID_TP, False)):
+        estimate = estimate_module(
+            model,
+            strategy="fsdp2_hybrid",
+            world_size=4,
+            processes_per_node=2,  # one node: 1 data-parallel shard x 2 tensor-parallel ranks
+            precision="32-true",
+            accumulate_grad_batches=ACCUMULATE,
+            sync_grads_each_micro_batch=sync,
+            tensor_parallel_size=2,
+            tensor_parallel_plan=plan_styles(),
+        )
+        assert estimate.mesh == (2, 1), run
+        measured = tensor_parallel_results[run]["collectives_per_step"]
+        assert set(measured["dp_replicate/all_reduce/bytes"]) == {estimate.all_reduce_bytes}, run
 
 
 @pytest.mark.skipif(

@@ -11,7 +11,8 @@ module shaped as Lightning's own tensor-parallel example (``testkit.llama_tensor
 function of ``self.device_mesh`` in ``configure_model``, ``fully_shard`` per block) trains under
 ``FSDP2Strategy(tensor_parallel_size=2)`` as under ``ModelParallelStrategy(data_parallel_size=2,
 tensor_parallel_size=2)``, which runs on CPU over gloo in Lightning 2.6.6. ``Trainer(precision="bf16-mixed")`` and
-``"bf16-true"`` apply under tensor parallelism as under 1-D ``fsdp2`` (``ModelParallelStrategy`` ignores them),
+``"bf16-true"`` apply under tensor parallelism as under 1-D ``fsdp2`` (``ModelParallelStrategy`` autocasts, but
+leaves FSDP2's mixed-precision policy to ``configure_model``),
 whether ``configure_model`` shards the blocks itself or leaves that to the strategy. ``Trainer(strategy="fsdp2_tp")``
 on one node of 2 ranks (one tensor-parallel group) trains as the 1-D run.
 """

@@ -1,8 +1,9 @@
 """Counting the collectives a process issues: which kind, how many bytes, over how many ranks.
 
 :class:`CollectiveCounter` is a ``TorchDispatchMode``: every ``torch.distributed`` collective reaches torch's
-dispatcher as a ``c10d`` op (gloo and NCCL alike), FSDP2's reduce-scatters and all-reduces included, so it sees
-what was actually issued rather than what a plan says. Bytes follow the estimator's convention
+dispatcher as a ``c10d`` op (gloo and NCCL alike), FSDP2's reduce-scatters and all-reduces included, and DTensor's
+redistributions (tensor parallelism) as ``_c10d_functional`` ops, so it sees what was actually issued rather than what
+a plan says; :func:`bytes_by_source` keeps the two apart. Bytes follow the estimator's convention
 (:mod:`fsdp_strategy.estimator.model_state`): an all-gather counts its gathered output, a reduce-scatter its
 unsharded input, an all-reduce and a broadcast their tensor. :class:`CountCollectives` keeps one counter
 running over a Trainer's training and files each collective under the optimizer step it belongs to.

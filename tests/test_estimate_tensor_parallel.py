@@ -19,6 +19,7 @@ from fsdp_strategy.estimator.report import estimate
 from fsdp_strategy.estimator.tensor_split import tensor_splits
 from fsdp_strategy.monitor.summary import format_summary, summarize
 from fsdp_strategy.sharding.mesh import DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM
+from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan
 from fsdp_strategy.tools.cli import main
 from testkit.hf import TinyLlama
 from testkit.models import SEQ
@@ -96,6 +97,37 @@ def test_a_plan_given_by_name_splits_as_configure_model_would(single_rank_group)
     }
 
 
+def test_peft_lora_layers_are_counted_split_as_the_strategy_splits_them(single_rank_group):
+    pytest.importorskip("peft")
+    planned_model = TinyLlama(lora_targets=["q_proj", "o_proj"])
+    planned = tensor_splits(planned_model, 2)
+    # the same model split by the strategy: its placements are what the plan-read estimate must say
+    live = TinyLlama(lora_targets=["q_proj", "o_proj"])
+    apply_tensor_parallel_plan(live, init_device_mesh("cpu", (1,), mesh_dim_names=(TENSOR_PARALLEL_DIM,)))
+    placed = tensor_splits(live, 2)
+    names = {id(p): name for name, p in planned_model.named_parameters()}
+    live_names = {id(p): name for name, p in live.named_parameters()}
+    assert {names[key]: dim for key, dim in planned.dims.items()} == {
+        live_names[key]: dim for key, dim in placed.dims.items()
+    }
+    layer = "model.base_model.model.model.layers.0.self_attn"
+    assert planned.styles[f"{layer}.q_proj.lora_B.default"] == "colwise"  # B's rows are q_proj's output columns
+    assert planned.styles[f"{layer}.o_proj.lora_A.default"] == "rowwise"  # A reads o_proj's split input
+    assert f"{layer}.q_proj.lora_A.default" not in planned.styles
+
+
+def test_layers_whose_collectives_are_not_estimated_are_named_in_the_note():
+    plan = {"norm": "sequence_parallel", "up": "colwise", "down": "rowwise"}
+    model = nn.Sequential()
+    model.add_module("norm", nn.LayerNorm(8))
+    model.add_module("up", nn.Linear(8, 16))
+    model.add_module("down", nn.Linear(16, 8))
+    estimate_ = estimate_module(
+        model, strategy="fsdp2", world_size=4, tensor_parallel_size=2, tensor_parallel_plan=plan
+    )
+    assert "collectives of sequence_parallel layers not estimated" in estimate_.note
+
+
 def traced_gpt(batch_size: int, plan: dict[str, str] | None):
     """``fsdp_strategy.estimate`` of the testkit GPT at 2 x 2, its step traced on ``batch_size`` sequences."""
     return estimate(
@@ -169,6 +201,21 @@ def test_the_cli_takes_tensor_parallel_size_and_skips_ddp(capsys):
     assert [(r["strategy"], r["mesh"], r["tensor_parallel"]) for r in report["rows"]] == [("fsdp2", [1, 2], 2)]
     assert report["rows"][0]["tensor_parallel_all_reduce_bytes"] is None
     assert [s["strategy"] for s in report["skipped"]] == ["ddp"]
+
+
+def test_a_tensor_parallel_size_that_does_not_fit_a_node_skips_that_row_only():
+    report = estimate(
+        "testkit.hf:TinyLlama", world_sizes=[4, 8], strategies=["fsdp2"], processes_per_node=2, tensor_parallel_size=4
+    )
+    assert report.rows == []
+    assert {(world, reason) for _, world, reason in report.skipped} == {
+        (4, "tensor_parallel_size=4 does not divide processes_per_node=2"),
+        (8, "tensor_parallel_size=4 does not divide processes_per_node=2"),
+    }
+    fits = estimate(
+        "testkit.hf:TinyLlama", world_sizes=[8], strategies=["fsdp2"], processes_per_node=4, tensor_parallel_size=4
+    )
+    assert [(row.mesh, row.tensor_parallel) for row in fits.rows] == [((1, 2), 4)]
 
 
 def test_the_monitor_summary_names_the_mesh_and_what_it_does_not_estimate():

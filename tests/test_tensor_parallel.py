@@ -25,10 +25,10 @@ from fsdp_strategy.sharding.mesh import (
     tensor_parallel_mesh,
 )
 from fsdp_strategy.sharding.tensor_parallel import (
-    _matching,
     apply_tensor_parallel_plan,
     check_even_split,
     hugging_face_plans,
+    plan_layers,
 )
 from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
@@ -184,7 +184,7 @@ def test_a_module_without_a_plan_is_told_what_to_write(tensor_mesh):
         " model with a `config.base_model_tp_plan`. Split its layers in the LightningModule's `configure_model()`,"
         ' as for Lightning\'s ModelParallelStrategy: `parallelize_module(layer, self.device_mesh["tensor_parallel"],'
         ' {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or set'
-        " `tensor_parallel_size=1`."
+        ' `tensor_parallel_size=1` (`strategy="fsdp2"` in place of `"fsdp2_tp"`).'
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_tensor_parallel_plan(nn.Sequential(nn.Linear(2, 2)), tensor_mesh)
@@ -219,7 +219,7 @@ def test_a_hugging_face_plan_is_applied_through_parallelize_module(tensor_mesh):
             {"blocks.*.attention.wq": "colwise"},
             "`tensor_parallel_size=1`: the `base_model_tp_plan` of LlamaModel (model) names no module of it"
             " (['blocks.*.attention.wq'] ...). Split the model in `configure_model()` with `parallelize_module`, or"
-            " set `tensor_parallel_size=1`.",
+            ' set `tensor_parallel_size=1` (`strategy="fsdp2"` in place of `"fsdp2_tp"`).',
         ),
     ],
     ids=["style-without-a-torch-twin", "names-no-module"],
@@ -240,20 +240,25 @@ def test_a_split_that_does_not_divide_the_heads_or_a_layer_is_refused_before_the
     from testkit.hf import TinyLlama
 
     ((_, base_model, plan),) = hugging_face_plans(TinyLlama())
-    layers = {name: style for pattern, style in plan.items() for name in _matching(base_model, pattern)}
+    layers = plan_layers(base_model, plan, source="TinyLlama's plan", size=4)
     check_even_split(base_model, layers, 2)  # 4 query and 2 key/value heads, even widths: splits
     with pytest.raises(
         ValueError,
         match=re.escape(
             "`tensor_parallel_size=4` does not split LlamaModel evenly: config.num_key_value_heads is 2. Use a"
-            " tensor_parallel_size that divides it (1, 2), or split the model yourself in `configure_model()`."
+            " tensor_parallel_size that divides every split dimension and head count (1, 2), or split the model"
+            " yourself in `configure_model()`."
         ),
     ):
         check_even_split(base_model, layers, 4)
+    # The sizes offered divide every split dimension: 2 would divide 6 but not 9.
     with pytest.raises(
-        ValueError,
-        match=re.escape("0.weight dimension 1 (rowwise) is 6. Use a tensor_parallel_size that divides it (1, 2, 3, 6)"),
+        ValueError, match=re.escape("0.weight dimension 0 (colwise) is 6 (and 1 more). Use") + ".* \\(1, 3\\)"
     ):
+        check_even_split(
+            nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(4, 9)), {"0": "colwise", "2": "colwise"}, 4
+        )
+    with pytest.raises(ValueError, match=re.escape("0.weight dimension 1 (rowwise) is 6.")):
         check_even_split(nn.Sequential(nn.Linear(6, 8)), {"0": "rowwise"}, 4)
     with pytest.raises(ValueError, match=re.escape("0.weight dimension 1 (colwise) is 10")):
         check_even_split(nn.Sequential(nn.Embedding(8, 10)), {"0": "colwise"}, 4)
@@ -320,10 +325,11 @@ def test_a_peft_lora_layer_is_split_with_its_base_layer_colwise_by_b_and_rowwise
 def test_a_lora_variant_under_tensor_parallelism_is_refused_naming_the_layer_and_the_fix(tensor_mesh):
     pytest.importorskip("peft")
     message = (
-        "`tensor_parallel_size=1`: the `base_model_tp_plan` splits 'layers.0.self_attn.q_proj' as 'colwise', and"
+        "`tensor_parallel_size=1`: the plan splits 'layers.0.self_attn.q_proj' as 'colwise', and"
         " peft wrapped it in Linear, which this strategy splits only as a plain LoRA layer of an nn.Linear (no DoRA"
-        " or other variant). Set `tensor_parallel_size=1` (adapters rarely need tensor parallelism), or leave this"
-        " layer out of the peft config's `target_modules`."
+        " or other variant). Leave this layer out of the peft config's `target_modules`, or set"
+        ' `tensor_parallel_size=1` (`strategy="fsdp2"` in place of `"fsdp2_tp"`): adapters rarely need tensor'
+        " parallelism."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_tensor_parallel_plan(lora_llama(use_dora=True), tensor_mesh)

@@ -178,7 +178,7 @@ def estimate_module(
     ``module`` may live on the meta device, or be sharded already by FSDP2 (its units are then the
     ones it was sharded with, and ``wrap_policy`` is not used). ``processes_per_node`` sets
     ``fsdp2_hybrid``'s shard size; by default two nodes of ``world_size / 2`` processes are assumed
-    when ``world_size`` is even (one node otherwise).
+    when the data-parallel ranks (``world_size / tensor_parallel_size``) are even (one node otherwise).
 
     Raises:
         ValueError / TypeError: an option that is not one of the accepted values.

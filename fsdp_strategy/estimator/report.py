@@ -274,6 +274,9 @@ def _skip_reason(strategy: str, world_size: int, processes_per_node: int | None,
         return "ddp does not split layers (tensor_parallel_size needs an fsdp2 strategy)"
     if world_size % tensor_parallel_size:
         return f"tensor_parallel_size={tensor_parallel_size} does not divide the world size"
+    if processes_per_node is not None and processes_per_node % tensor_parallel_size:
+        # a tensor-parallel group stays within a node
+        return f"tensor_parallel_size={tensor_parallel_size} does not divide processes_per_node={processes_per_node}"
     if strategy == "fsdp2_hybrid" and processes_per_node is not None and world_size % processes_per_node:
         return node_size_mismatch(processes_per_node, world_size)
     return ""

@@ -11,27 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_strategy.sharding.mesh import TENSOR_PARALLEL_DIM
-from fsdp_strategy.sharding.tensor_parallel import PLAN_STYLES, hugging_face_plans
+from fsdp_strategy.sharding.tensor_parallel import hugging_face_plans, plan_layers, weight_split_dim
 
 __all__ = ["ALL_REDUCING_STYLES", "TensorSplits", "all_reduced_activation_bytes", "tensor_splits"]
 
-# Where each style splits a layer's weight, as torch's ColwiseParallel/RowwiseParallel do: nn.Linear keeps
-# (out_features, in_features), nn.Embedding (num_embeddings, embedding_dim). A bias is split with the outputs.
-_WEIGHT_DIM = {
-    ("colwise", nn.Linear): 0,
-    ("rowwise", nn.Linear): 1,
-    ("colwise", nn.Embedding): 1,
-    ("rowwise", nn.Embedding): 0,
-}
 # The layers whose activations a Colwise -> Rowwise pair all-reduces: a rowwise layer's output in forward, a
 # colwise layer's input gradient in backward. The "_rep" variants and sequence parallelism move activations by
-# other collectives, which are not estimated.
+# other collectives, which are not estimated (the estimate's note names them).
 ALL_REDUCING_STYLES = ("colwise", "rowwise")
 
 
@@ -75,33 +66,18 @@ def tensor_splits(module: nn.Module, size: int, plan: Mapping[str, str] | None =
     dims: dict[int, int] = {}
     styles: dict[str, str] = {}
     qualified_names = {id(layer): name for name, layer in module.named_modules()}
-    for source, base_model, styles_by_pattern in plans:
-        for pattern, style in styles_by_pattern.items():
-            if style not in PLAN_STYLES:
-                raise ValueError(
-                    f"{source} splits {pattern!r} as {style!r}; the strategy applies"
-                    f" {', '.join(repr(s) for s in PLAN_STYLES)}."
-                )
-        for name, layer in base_model.named_modules():
-            style = next((s for p, s in styles_by_pattern.items() if _matches(p, name)), None)
-            if style is None or style == "sequence_parallel":  # sequence parallelism keeps the norms whole
-                continue
+    for source, base_model, plan_styles in plans:
+        for name, style in plan_layers(base_model, plan_styles, source=source, size=size).items():
+            layer = base_model.get_submodule(name)
             styles[qualified_names[id(layer)]] = style
-            kind = style.removesuffix("_rep")
-            dim = next((d for (s, cls), d in _WEIGHT_DIM.items() if s == kind and isinstance(layer, cls)), None)
+            dim = weight_split_dim(layer, style)
             if dim is None:
                 continue
             dims[id(layer.weight)] = dim
             bias = getattr(layer, "bias", None)
-            if bias is not None and kind == "colwise":
+            if bias is not None and isinstance(layer, nn.Linear) and dim == 0:  # a Linear's bias follows its outputs
                 dims[id(bias)] = 0
     return TensorSplits(size, dims, styles)
-
-
-def _matches(pattern: str, name: str) -> bool:
-    # parallelize_module matches atom by atom ("layers.*.mlp.up_proj"): a wildcard never spans a dot.
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(fnmatchcase(part, atom) for atom, part in zip(atoms, parts))
 
 
 def _placed_splits(module: nn.Module) -> TensorSplits | None:

@@ -17,7 +17,8 @@ split rowwise (its partial products summed over the ranks, as the base layer's) 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -31,7 +32,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["PLAN_STYLES", "apply_tensor_parallel_plan", "check_even_split", "hugging_face_plans", "is_parallelized"]
+__all__ = [
+    "PLAN_STYLES",
+    "apply_tensor_parallel_plan",
+    "check_even_split",
+    "hugging_face_plans",
+    "is_parallelized",
+    "plan_layers",
+    "weight_split_dim",
+]
 
 # Transformers' plan strings -> torch's styles. "colwise" leaves each rank its columns (heads) and output;
 # "rowwise" takes them and all-reduces its output; "_rep" ends (or starts) with the whole activation.
@@ -66,75 +75,109 @@ def hugging_face_plans(model: nn.Module) -> list[tuple[str, nn.Module, dict[str,
 
 def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     """Splits each Hugging Face model inside ``model`` over ``mesh`` by its ``base_model_tp_plan``; returns the
-    names of the models split. Raises ``ValueError`` when ``model`` has no such plan, or one with a style string
-    that :data:`PLAN_STYLES` does not hold."""
+    names of the models split. Raises ``ValueError`` before anything is split when ``model`` has no such plan, a plan
+    holds a style string that :data:`PLAN_STYLES` does not, names no module, splits a peft layer other than plain
+    LoRA, or cannot be split evenly over ``mesh`` (:func:`check_even_split`)."""
+    size = mesh.size()
     plans = hugging_face_plans(model)
     if not plans:
         raise ValueError(
-            f"`tensor_parallel_size={mesh.size()}` needs a tensor-parallel plan, and {type(model).__name__} has none:"
+            f"`tensor_parallel_size={size}` needs a tensor-parallel plan, and {type(model).__name__} has none:"
             " it holds no Hugging Face model with a `config.base_model_tp_plan`. Split its layers in the"
             " LightningModule's `configure_model()`, as for Lightning's ModelParallelStrategy:"
             ' `parallelize_module(layer, self.device_mesh["tensor_parallel"], {"proj_in": ColwiseParallel(),'
-            ' "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or set `tensor_parallel_size=1`.'
+            ' "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or'
+            f" set {_NO_TENSOR_PARALLELISM}."
         )
+    split = []
     for name, base_model, plan in plans:
-        styles: dict[str, ParallelStyle] = {}
-        split_layers: dict[str, str] = {}
-        for pattern, style in plan.items():
-            if style not in PLAN_STYLES:
-                raise ValueError(
-                    f"The `base_model_tp_plan` of {type(base_model).__name__} ({name or 'the module'}) splits"
-                    f" {pattern!r} as {style!r}, which this strategy does not apply; it applies"
-                    f" {', '.join(repr(s) for s in PLAN_STYLES)}. Split the model in `configure_model()` with"
-                    " `parallelize_module` instead."
-                )
-            for layer in _matching(base_model, pattern):
-                styles.update(_layer_styles(layer, base_model.get_submodule(layer), style, mesh.size()))
-                split_layers[layer] = style
-        if not styles:
+        source = f"The `base_model_tp_plan` of {type(base_model).__name__} ({name or 'the module'})"
+        layers = plan_layers(base_model, plan, source=source, size=size)
+        if not layers:
             # parallelize_module only warns about a pattern that names no module: the model would train whole on
             # every tensor-parallel rank.
             raise ValueError(
-                f"`tensor_parallel_size={mesh.size()}`: the `base_model_tp_plan` of {type(base_model).__name__}"
+                f"`tensor_parallel_size={size}`: the `base_model_tp_plan` of {type(base_model).__name__}"
                 f" ({name or 'the module'}) names no module of it ({list(plan)[:3]} ...). Split the model in"
-                " `configure_model()` with `parallelize_module`, or set `tensor_parallel_size=1`."
+                f" `configure_model()` with `parallelize_module`, or set {_NO_TENSOR_PARALLELISM}."
             )
-        check_even_split(base_model, split_layers, mesh.size())
+        check_even_split(base_model, layers, size)
+        split.append((base_model, {layer: PLAN_STYLES[style]() for layer, style in layers.items()}))
+    for base_model, styles in split:  # every plan checked before any model is split
         parallelize_module(base_model, mesh, styles)
     return [name for name, _, _ in plans]
+
+
+# A user of strategy="fsdp2_tp" never wrote tensor_parallel_size.
+_NO_TENSOR_PARALLELISM = '`tensor_parallel_size=1` (`strategy="fsdp2"` in place of `"fsdp2_tp"`)'
+
+
+def plan_layers(base_model: nn.Module, plan: Mapping[str, str], *, source: str, size: int) -> dict[str, str]:
+    """The layers of ``base_model`` that ``plan`` splits, by name, each with its style string, as the strategy
+    applies the plan: ``*`` stands for one part of a name (as in ``parallelize_module``), a later pattern wins over an
+    earlier one, and a peft LoRA layer is replaced by its parts (see the module docstring). ``source`` names the plan
+    and ``size`` the tensor-parallel ranks in errors. Raises ``ValueError`` for a style that :data:`PLAN_STYLES` does
+    not hold or a peft layer the strategy does not split."""
+    for pattern, style in plan.items():
+        if style not in PLAN_STYLES:
+            raise ValueError(
+                f"{source} splits {pattern!r} as {style!r}, which this strategy does not apply; it applies"
+                f" {', '.join(repr(s) for s in PLAN_STYLES)}. Split the model in `configure_model()` with"
+                " `parallelize_module` instead."
+            )
+    named = {name: style for pattern, style in plan.items() for name in _matching(base_model, pattern)}
+    layers: dict[str, str] = {}
+    for name, style in named.items():
+        layers.update(_layer_parts(name, base_model.get_submodule(name), style, size))
+    return layers
+
+
+# Where a style splits a layer's weight, as torch's ColwiseParallel/RowwiseParallel do: nn.Linear keeps
+# (out_features, in_features), nn.Embedding (num_embeddings, embedding_dim). A Linear's bias is split with its outputs.
+_WEIGHT_DIM = {
+    ("colwise", nn.Linear): 0,
+    ("rowwise", nn.Linear): 1,
+    ("colwise", nn.Embedding): 1,
+    ("rowwise", nn.Embedding): 0,
+}
+
+
+def weight_split_dim(layer: nn.Module, style: str) -> int | None:
+    """The dimension of ``layer.weight`` that ``style`` splits; ``None`` when it splits no weight of this layer
+    (sequence parallelism keeps norms whole)."""
+    kind = style.removesuffix("_rep")
+    return next((dim for (s, cls), dim in _WEIGHT_DIM.items() if s == kind and isinstance(layer, cls)), None)
 
 
 # Transformers' attention reshapes each rank's projection into its whole heads: the head counts must split evenly.
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
 
 
-def check_even_split(base_model: nn.Module, split_layers: dict[str, str], size: int) -> None:
+def check_even_split(base_model: nn.Module, layers: Mapping[str, str], size: int) -> None:
     """Raises ``ValueError`` when ``size`` tensor-parallel ranks cannot split ``base_model`` evenly: a head count of
-    its config (when a layer is split colwise) or the split dimension of a layer of ``split_layers`` (name ->
-    plan style). torch would fail later, in the first forward, with a shape error that names neither."""
-    uneven: list[tuple[str, int]] = []
-    if any(style.startswith("colwise") for style in split_layers.values()):
+    its config (when a layer is split colwise) or the split dimension of a layer of ``layers`` (name -> style, as
+    :func:`plan_layers` gives). torch would fail later, in the first forward, with a shape error that names neither.
+    The sizes offered divide every count checked."""
+    counts: list[tuple[str, int]] = []
+    if any(style.startswith("colwise") for style in layers.values()):
         config = getattr(base_model, "config", None)
-        for field in _HEAD_COUNTS:
-            count = getattr(config, field, None)
-            if isinstance(count, int) and count % size:
-                uneven.append((f"config.{field}", count))
-    for name, style in split_layers.items():
+        counts += [(f"config.{field}", getattr(config, field, None)) for field in _HEAD_COUNTS]
+    for name, style in layers.items():
         layer = base_model.get_submodule(name)
-        weight = getattr(getattr(layer, "base_layer", layer), "weight", None)
-        if weight is None or weight.dim() != 2 or style == "sequence_parallel":
-            continue
-        # nn.Linear holds (out, in): colwise splits the outputs; nn.Embedding holds (rows, dim): rowwise splits rows.
-        dim = int(style.startswith("colwise")) if isinstance(layer, nn.Embedding) else int(style.startswith("rowwise"))
-        if weight.shape[dim] % size:
-            uneven.append((f"{name}.weight dimension {dim} ({style})", weight.shape[dim]))
+        dim = weight_split_dim(layer, style)
+        if dim is not None:
+            counts.append((f"{name}.weight dimension {dim} ({style})", layer.weight.shape[dim]))
+    counts = [(what, count) for what, count in counts if isinstance(count, int) and count > 0]
+    uneven = [(what, count) for what, count in counts if count % size]
     if uneven:
         what, count = uneven[0]
-        divisors = [d for d in range(1, count + 1) if count % d == 0]
+        common = math.gcd(*(count for _, count in counts))
+        divisors = [d for d in range(1, common + 1) if common % d == 0]
         raise ValueError(
             f"`tensor_parallel_size={size}` does not split {type(base_model).__name__} evenly: {what} is {count}"
             f"{f' (and {len(uneven) - 1} more)' if len(uneven) > 1 else ''}. Use a tensor_parallel_size that divides"
-            f" it ({', '.join(map(str, divisors))}), or split the model yourself in `configure_model()`."
+            f" every split dimension and head count ({', '.join(map(str, divisors))}), or split the model yourself in"
+            " `configure_model()`."
         )
 
 
@@ -149,11 +192,11 @@ def _matching(model: nn.Module, pattern: str) -> list[str]:
     ]
 
 
-def _layer_styles(name: str, layer: nn.Module, style: str, size: int) -> dict[str, ParallelStyle]:
-    """The styles that split the plan's ``layer`` as ``style``: the layer itself, or the parts of a peft LoRA
-    layer (see the module docstring)."""
+def _layer_parts(name: str, layer: nn.Module, style: str, size: int) -> dict[str, str]:
+    """The layers, by name, that split the plan's ``layer`` as ``style``: the layer itself, or the parts of a peft
+    LoRA layer (see the module docstring), each with that style."""
     if not hasattr(layer, "base_layer"):
-        return {name: PLAN_STYLES[style]()}
+        return {name: style}
     part = "lora_B" if style.startswith("colwise") else "lora_A"
     adapters = getattr(layer, part, None)
     plain_lora = (
@@ -167,12 +210,9 @@ def _layer_styles(name: str, layer: nn.Module, style: str, size: int) -> dict[st
     )
     if not plain_lora:
         raise ValueError(
-            f"`tensor_parallel_size={size}`: the `base_model_tp_plan` splits {name!r} as {style!r}, and peft wrapped"
-            f" it in {type(layer).__name__}, which this strategy splits only as a plain LoRA layer of an nn.Linear"
-            " (no DoRA or other variant). Set `tensor_parallel_size=1` (adapters rarely need tensor parallelism),"
-            " or leave this layer out of the peft config's `target_modules`."
+            f"`tensor_parallel_size={size}`: the plan splits {name!r} as {style!r}, and peft wrapped it in"
+            f" {type(layer).__name__}, which this strategy splits only as a plain LoRA layer of an nn.Linear (no DoRA"
+            f" or other variant). Leave this layer out of the peft config's `target_modules`, or set"
+            f" {_NO_TENSOR_PARALLELISM}: adapters rarely need tensor parallelism."
         )
-    return {
-        f"{name}.base_layer": PLAN_STYLES[style](),
-        **{f"{name}.{part}.{adapter}": PLAN_STYLES[style]() for adapter in adapters},
-    }
+    return {f"{name}.base_layer": style, **{f"{name}.{part}.{adapter}": style for adapter in adapters}}
