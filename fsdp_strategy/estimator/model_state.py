@@ -281,7 +281,7 @@ def _mesh_for(
         per_node = world_size // 2
         processes = f"{per_node} process{'es' if per_node > 1 else ''}"
         return (2, ranks // 2), f"assumes 2 nodes of {processes} (set processes_per_node)"
-    odd = f"world size {world_size} is odd" if tensor == 1 else f"{ranks} data-parallel ranks, an odd number"
+    odd = f"world size {world_size} is odd" if tensor == 1 else f"{ranks} data-parallel rank{'s' if ranks > 1 else ''}"
     return (1, ranks), f"one node assumed ({odd}): same as fsdp2"
 
 
