@@ -15,8 +15,9 @@
    reset (``/proc/self/clear_refs``) right before it, and its peak (VmHWM) read right after it.
 Reported per rank: the peak RSS during loading over the RSS before the model was built (the rank's shards, which
 meta_init allocated just before, plus what loading needed), of which the RSS right before loading, the rank's shard bytes, the largest tensor's bytes, the
-goal ``(shard + largest tensor) * 1.1``, and the peak of the whole setup for comparison (it includes the strategy's
-one-unit-at-a-time gather after sharding, whose largest unit here is the embedding and the head together).
+goal ``(shard + largest tensor) * 1.1``, and the peak of the whole setup (from the callback's ``setup`` to
+``on_fit_start``: sharding, materialization, loading, optimizers; the strategy gathers no unit there since 897b6dd,
+where finding FSDP2's gathered parameters gathered every unit, the embedding and the head together the largest).
 """
 
 from __future__ import annotations
