@@ -216,9 +216,9 @@ def unsharded_parameters(unit: nn.Module) -> dict[int, nn.Parameter] | None:
         for group in groups:
             group.lazy_init()
             world_size = group._all_gather_process_group.size()
+            if any(hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather") for p in group.fsdp_params):
+                return None
             for fsdp_param in group.fsdp_params:
-                if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
-                    return None
                 if not hasattr(fsdp_param, "_unsharded_param"):  # not gathered yet
                     inputs = fsdp_param.all_gather_inputs
                     fsdp_param.init_all_gather_outputs(
