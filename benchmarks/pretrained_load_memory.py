@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -125,22 +126,20 @@ def load(weights: str, out: str, tensor_parallel_size: int) -> None:
     trainer.fit(PretrainedLlama(model_config), token_loader())
 
 
-def run(weights: Path, ranks: int, out: Path, tensor_parallel_size: int) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [
-        __file__,
-        "--load",
-        str(weights),
-        "--out",
-        str(out),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-    ]
+def run_ranks(script: str, ranks: int, arguments: list[str], out: Path) -> Any:
+    """``script`` with ``arguments`` under ``torch.distributed.run`` on ``ranks`` processes; what it wrote to ``out``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script]
+    command += [*arguments, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def run(weights: Path, ranks: int, out: Path, tensor_parallel_size: int) -> list[dict]:
+    arguments = ["--load", str(weights), "--tensor-parallel-size", str(tensor_parallel_size)]
+    return run_ranks(__file__, ranks, arguments, out)
 
 
 def main() -> None:

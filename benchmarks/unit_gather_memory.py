@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from pretrained_load_memory import run_ranks  # this folder is the script's own: on sys.path
+
 MiB = 2**20
 
 
@@ -53,16 +51,6 @@ def gather(rows: int, columns: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run(ranks: int, rows: int, columns: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__]
-    command += ["--gather", "--rows", str(rows), "--columns", str(columns), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="2,4")
@@ -77,7 +65,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in [int(r) for r in args.ranks.split(",")]:
-            result = run(ranks, args.rows, args.columns, Path(tmp) / "out.json")
+            arguments = ["--gather", "--rows", str(args.rows), "--columns", str(args.columns)]
+            result = run_ranks(__file__, ranks, arguments, Path(tmp) / "out.json")
             for index, call in enumerate(result["calls"]):
                 print(
                     f"| {ranks} | {index // 2 + 1}. {call['call']}() | {call['peak'] / MiB:.0f} MiB"
