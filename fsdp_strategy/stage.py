@@ -271,7 +271,7 @@ class ModuleSharding:
         self.move_to_device(model, device)
         if arguments.init_weights is not None:
             arguments.init_weights(model)
-        # FSDP2's gathered Parameter objects, made without gathering: the setup holds the shards and no unit whole.
+        # FSDP2's gathered Parameter objects, made without gathering where it can: no unit is held whole in setup.
         self.gathered = gathered_parameters(model)
         self.before.pair_gathered(self.gathered)
         self._log(model, units, was_meta, arguments.mesh_shape)
