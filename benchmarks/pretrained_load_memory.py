@@ -15,8 +15,9 @@
    reset (``/proc/self/clear_refs``) right before it, and its peak (VmHWM) read right after it.
 Reported per rank: the peak RSS during loading over the RSS before the model was built (the rank's shards, which
 meta_init allocated just before, plus what loading needed), of which the RSS right before loading, the rank's shard bytes, the largest tensor's bytes, the
-goal ``(shard + largest tensor) * 1.1``, and the peak of the whole setup for comparison (it includes the strategy's
-one-unit-at-a-time gather after sharding, whose largest unit here is the embedding and the head together).
+goal ``(shard + largest tensor) * 1.1``, and the peak of the whole setup (from the callback's ``setup`` to
+``on_fit_start``: sharding, materialization, loading, optimizers; the strategy gathers no unit there since 897b6dd,
+where finding FSDP2's gathered parameters gathered every unit, the embedding and the head together the largest).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -124,22 +126,20 @@ def load(weights: str, out: str, tensor_parallel_size: int) -> None:
     trainer.fit(PretrainedLlama(model_config), token_loader())
 
 
-def run(weights: Path, ranks: int, out: Path, tensor_parallel_size: int) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [
-        __file__,
-        "--load",
-        str(weights),
-        "--out",
-        str(out),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-    ]
+def run_ranks(script: str, ranks: int, arguments: list[str], out: Path) -> Any:
+    """``script`` with ``arguments`` under ``torch.distributed.run`` on ``ranks`` processes; what it wrote to ``out``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script]
+    command += [*arguments, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def run(weights: Path, ranks: int, out: Path, tensor_parallel_size: int) -> list[dict]:
+    arguments = ["--load", str(weights), "--tensor-parallel-size", str(tensor_parallel_size)]
+    return run_ranks(__file__, ranks, arguments, out)
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "reset_iter_state",
     "set_device_mesh",
     "sharded_units",
+    "unsharded_parameters",
     "strided_shard_dim",
     "tensor_version",
     "tree_flatten",
@@ -190,6 +191,45 @@ def _param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [] if group is None else [group]
+
+
+def unsharded_parameters(unit: nn.Module) -> dict[int, nn.Parameter] | None:
+    """FSDP2's unsharded parameter of each parameter of the unit ``unit`` belongs to, by the id of its sharded one,
+    made without gathering anything; ``None`` where that cannot be done here, and the caller gathers the unit once.
+
+    FSDP2 creates that Parameter at a unit's first all-gather (``FSDPParam.init_unsharded_param``, a view of buffers
+    sized by ``FSDPParam.init_all_gather_outputs``) and only refills the same buffers at every later one. Creating it
+    through the same two calls, with those buffers allocated and freed untouched, costs no memory, where a real
+    all-gather on CPU needs twice the unit's full size on top of the shards (gloo's staging copy, then FSDP2's copy
+    out of its flat output). No public API hands out these Parameters (torch 2.9 to 2.15, read in each): the
+    ``FSDPParamGroup.lazy_init`` called first is what ``FSDPModule.unshard`` calls first too (it resets the shards
+    materialization replaced and decides the gathered dtype). Left to a real all-gather: a parameter whose local
+    tensor gathers itself (``fsdp_pre_all_gather``: torchao's NF4), whose buffers it also fills with metadata.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(unit, FSDPModule):
+        return None
+    try:
+        groups = _param_groups(unit._get_fsdp_state())  # type: ignore[operator]
+        found: dict[int, nn.Parameter] = {}
+        for group in groups:
+            group.lazy_init()
+            world_size = group._all_gather_process_group.size()
+            if any(hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather") for p in group.fsdp_params):
+                return None
+            for fsdp_param in group.fsdp_params:
+                if not hasattr(fsdp_param, "_unsharded_param"):  # not gathered yet
+                    inputs = fsdp_param.all_gather_inputs
+                    fsdp_param.init_all_gather_outputs(
+                        [t.numel() for t in inputs], [t.dtype for t in inputs], world_size, fsdp_param.device
+                    )
+                    fsdp_param.init_unsharded_param()
+                    fsdp_param.free_unsharded_param()
+                found[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
+    except AttributeError:  # a torch whose FSDP2 keeps these elsewhere
+        return None
+    return found
 
 
 # The collectives FSDP2 runs by default, for custom ones (fsdp_strategy.sharding.comm_pool). torch 2.13 renamed

@@ -269,10 +269,9 @@ class ModuleSharding:
         was_meta = has_meta_tensors(model)
         materialize(model, torch.device("cpu") if self.offload else device, deferred)
         self.move_to_device(model, device)
-        if (
-            arguments.init_weights is not None
-        ):  # before the gathers below: loading then needs only the shards and one slice
+        if arguments.init_weights is not None:
             arguments.init_weights(model)
+        # FSDP2's gathered Parameter objects, made without gathering where it can: no unit is held whole in setup.
         self.gathered = gathered_parameters(model)
         self.before.pair_gathered(self.gathered)
         self._log(model, units, was_meta, arguments.mesh_shape)

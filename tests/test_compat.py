@@ -61,3 +61,44 @@ def test_the_units_plan_is_read_on_this_torch_and_on_those_before_2_12(mesh) -> 
     group = object()
     assert _param_groups(Before212(group)) == [group]
     assert _param_groups(Before212(None)) == []
+
+
+def bf16_model(mesh) -> nn.Sequential:  # type: ignore[no-untyped-def]
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model[0], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def test_unsharded_parameters_are_made_without_gathering_and_are_the_ones_fsdp2_gathers_into(mesh) -> None:
+    from fsdp_strategy._compat import unsharded_parameters
+
+    model = bf16_model(mesh)
+    sharded = dict(model[0].named_parameters())
+    made = unsharded_parameters(model[0])
+    assert made is not None and set(made) == {id(p) for p in sharded.values()}
+    # Storage freed, as after a reshard: nothing of the unit's full size stays allocated.
+    assert all(p.untyped_storage().size() == 0 for p in made.values())
+
+    model[0].unshard()
+    for name, gathered in model[0].named_parameters():
+        assert gathered is made[id(sharded[name])]  # the same Parameter FSDP2 gathers into, and keeps
+        assert gathered.dtype == torch.bfloat16 and gathered.requires_grad
+        assert torch.equal(gathered, sharded[name].full_tensor().to(torch.bfloat16))
+    model[0].reshard()
+
+    reference = bf16_model(mesh)  # never through unsharded_parameters: the same gradients
+    for module in (model, reference):
+        module(torch.ones(2, 4)).sum().backward()
+    for (name, grad), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(grad.grad.full_tensor(), expected.grad.full_tensor()), name
+
+
+def test_unsharded_parameters_leave_a_module_fully_shard_did_not_touch_to_a_real_gather(mesh) -> None:
+    from fsdp_strategy._compat import unsharded_parameters
+
+    assert unsharded_parameters(nn.Linear(2, 2)) is None

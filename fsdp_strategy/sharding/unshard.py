@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fsdp_strategy._compat import forget_composable_state
+from fsdp_strategy._compat import forget_composable_state, unsharded_parameters
 from fsdp_strategy.sharding.state_bytes import full_bytes, model_state_tensors
 
 __all__ = [
@@ -179,15 +179,26 @@ def _reduce_ex(snapshot: ShardingSnapshot, module: nn.Module, protocol: int) -> 
 
 def gathered_parameters(model: nn.Module) -> list[tuple[Tensor, Tensor]]:
     """``(sharded, gathered)`` for each parameter of the sharded ``model``: FSDP2's gathered (unsharded) parameter
-    of each, created at a unit's first all-gather and reused by every later one, found by gathering one unit at a
-    time. While a unit is gathered, ``named_parameters()`` yields the gathered tensors of the parameters it manages
-    and the sharded ones for the others; under tensor parallelism a gathered parameter is still a DTensor (split
-    over the ``tensor_parallel`` dimension). Collective; call it before any forward (it reshards every unit)."""
+    of each, created at a unit's first all-gather and reused by every later one. Under tensor parallelism a gathered
+    parameter is still a DTensor (split over the ``tensor_parallel`` dimension). Collective; call it before any
+    forward.
+
+    Made without gathering where this torch allows (:func:`~fsdp_strategy._compat.unsharded_parameters`): a real
+    all-gather of the largest unit (often the embedding and the head together) needed twice its full size on top
+    of the shards on CPU, the peak of the strategy's whole setup. Otherwise one unit at a time is gathered and
+    resharded: while a unit is gathered, ``named_parameters()`` yields the gathered tensors of the parameters it
+    manages and the sharded ones for the others."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded = dict(model.named_parameters())
     pairs: dict[str, tuple[Tensor, Tensor]] = {}
     for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        made = unsharded_parameters(unit)
+        if made is not None:
+            for name, param in sharded.items():
+                if id(param) in made and name not in pairs and isinstance(param, DTensor):
+                    pairs[name] = (param, made[id(param)])
+            continue
         unit.unshard()
         for name, param in model.named_parameters():
             if param is not sharded.get(name) and name not in pairs and isinstance(sharded.get(name), DTensor):
