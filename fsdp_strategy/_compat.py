@@ -1,5 +1,5 @@
 """The private torch and Lightning names this package uses, each with why no public API does the job, and the
-public APIs whose spelling differs between the supported releases (torch 2.9 to 2.14, Lightning 2.6).
+public APIs whose spelling differs between the supported releases (torch 2.9 to 2.15, Lightning 2.6).
 
 Everything else in the package uses public torch and Lightning APIs. When one of these changes in a torch
 or Lightning release, this is the one file to adapt; ``.ci/torch_matrix`` runs the tests on the oldest and the

@@ -54,7 +54,11 @@ from fsdp_strategy.sharding.parallelize import (
     plan_units,
 )
 from fsdp_strategy.sharding.policy import class_name, select_modules
-from fsdp_strategy.sharding.tensor_parallel import apply_tensor_parallel_plan, is_parallelized
+from fsdp_strategy.sharding.tensor_parallel import (
+    apply_tensor_parallel_plan,
+    is_parallelized,
+    refuse_misgathered_strided_shards,
+)
 from fsdp_strategy.sharding.unshard import (
     ShardingSnapshot,
     full_state_bytes,
@@ -258,6 +262,7 @@ class ModuleSharding:
             offload_policy=options.offload_policy,
             reshard_after_forward=options.reshard_after_forward,
         )
+        refuse_misgathered_strided_shards(model)
         if options.reuse_comm_buffers:
             # Blocks only: they gather every micro-batch; a pooled buffer of the groups kept from forward to
             # backward (the embedding's with them) would stay allocated through the peak for nothing.

@@ -72,7 +72,17 @@ def test_a_tensor_parallel_split_loads_the_files_slices_and_trains_as_a_one_dime
     )
     out = tmp_path / "results.pt"
     args = ["--weights", str(weights), "--meta-init", "--steps", "3", "--tensor-parallel-size", "2", "--out", str(out)]
-    torchrun("integration_tests.pretrained_worker", args, nproc=4, cwd=tmp_path)
+    if torch.__version__ < "2.10":  # TorchVersion compares as a release (2.10, 2.12, 2.13, 2.15 gather it right)
+        # The MLP's rows are cut unevenly within each tensor-parallel piece, which torch 2.9 puts back together
+        # wrongly in full_tensor(): refused before training, naming the fix, where this torch misgathers (probed).
+        try:
+            torchrun("integration_tests.pretrained_worker", args, nproc=4, cwd=tmp_path)
+        except AssertionError as refused:
+            assert "gathers model.model.layers.0.mlp.gate_proj.weight wrongly" in str(refused)
+            assert "Upgrade torch (2.10 and later gather it correctly)" in str(refused)
+            return
+    else:
+        torchrun("integration_tests.pretrained_worker", args, nproc=4, cwd=tmp_path)
     results = torch.load(out)
     split, reference = results["fsdp2_tp"], results["fsdp2"]
 

@@ -22,13 +22,16 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_strategy._compat import strided_shard_dim
 
@@ -39,6 +42,7 @@ __all__ = [
     "is_weights_directory",
     "load_pretrained",
     "local_region",
+    "placed_region",
     "read_headers",
     "weight_files",
 ]
@@ -131,27 +135,32 @@ def local_region(tensor: Tensor) -> tuple[slice, ...]:
     shards: ``ceil(n / shards)`` rows per rank, the last ranks fewer or none). Under tensor parallelism a
     colwise weight is ``(_StridedShard(0), Shard(0))``: FSDP2 cut the tensor-parallel piece, so the plain shards
     cut first and the strided one within what they left; the region stays one block."""
-    shape = list(tensor.shape)
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, size) for size in tensor.shape)
+    return placed_region(tensor.shape, tensor.device_mesh, tensor.placements)
+
+
+def placed_region(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[slice, ...]:
+    """:func:`local_region` of a DTensor of ``shape`` placed on ``mesh`` as ``placements``."""
+    shape = list(shape)
     starts = [0] * len(shape)
-    if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        plain, strided = [], []
-        for mesh_dim, placement in enumerate(tensor.placements):
-            if type(placement) is Shard:
-                plain.append((mesh_dim, placement.dim))
-            elif strided_shard_dim(placement) is not None:
-                strided.append((mesh_dim, strided_shard_dim(placement)))
-            elif type(placement) is not Replicate:  # a pending reduction
-                raise ValueError(
-                    f"Pretrained weights are read into Shard or Replicate placements; got {placement} in"
-                    f" {tensor.placements}."
-                )
-        for mesh_dim, dim in plain + strided:
-            shards = mesh.size(mesh_dim)
-            chunk = math.ceil(shape[dim] / shards) if shape[dim] else 0
-            start = min(mesh.get_local_rank(mesh_dim) * chunk, shape[dim])
-            starts[dim] += start
-            shape[dim] = min(chunk, shape[dim] - start)
+    plain, strided = [], []
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Shard:
+            plain.append((mesh_dim, placement.dim))
+        elif strided_shard_dim(placement) is not None:
+            strided.append((mesh_dim, strided_shard_dim(placement)))
+        elif type(placement) is not Replicate:  # a pending reduction
+            raise ValueError(
+                f"Pretrained weights are read into Shard or Replicate placements; got {placement} in"
+                f" {tuple(placements)}."
+            )
+    for mesh_dim, dim in plain + strided:
+        shards = mesh.size(mesh_dim)
+        chunk = math.ceil(shape[dim] / shards) if shape[dim] else 0
+        start = min(mesh.get_local_rank(mesh_dim) * chunk, shape[dim])
+        starts[dim] += start
+        shape[dim] = min(chunk, shape[dim] - start)
     return tuple(slice(start, start + size) for start, size in zip(starts, shape))
 
 

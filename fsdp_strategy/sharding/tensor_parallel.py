@@ -21,9 +21,10 @@ import math
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,6 +33,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from fsdp_strategy._compat import strided_shard_dim
+from fsdp_strategy.checkpoint.pretrained import placed_region
+
 __all__ = [
     "PLAN_STYLES",
     "apply_tensor_parallel_plan",
@@ -39,6 +43,7 @@ __all__ = [
     "hugging_face_plans",
     "is_parallelized",
     "plan_layers",
+    "refuse_misgathered_strided_shards",
     "weight_split_dim",
 ]
 
@@ -216,3 +221,48 @@ def _layer_parts(name: str, layer: nn.Module, style: str, size: int) -> dict[str
             f" {_NO_TENSOR_PARALLELISM}: adapters rarely need tensor parallelism."
         )
     return {f"{name}.base_layer": style, **{f"{name}.{part}.{adapter}": style for adapter in adapters}}
+
+
+def refuse_misgathered_strided_shards(model: nn.Module) -> None:
+    """Raises ``ValueError`` when this torch cannot put back together a parameter of ``model`` that tensor
+    parallelism split and FSDP2 then cut unevenly within each piece (``_StridedShard``): torch 2.9 misplaces its rows
+    in ``full_tensor()`` (pytorch/pytorch#163843), which full checkpoints, exports and whole-parameter hooks read.
+    Each such layout is probed once, on a tensor of its shape along the cut dimension with known values."""
+    probed: dict[tuple, bool] = {}
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        for dim, ranks in _strided_cuts(param):
+            if param.shape[dim] % ranks == 0:
+                continue
+            layout = (dim, param.shape[dim], param.device_mesh, tuple(param.placements))
+            if layout not in probed:
+                probed[layout] = _gathers_whole(param, dim)
+            if not probed[layout]:
+                raise ValueError(
+                    f"torch {torch.__version__} gathers {name} wrongly: its dimension {dim} ({param.shape[dim]}) is"
+                    f" split over {ranks} ranks, tensor_parallel first and data_parallel unevenly within each piece,"
+                    " and this torch misplaces such rows when it puts the tensor back together (full checkpoints,"
+                    " Hugging Face exports and whole parameters in hooks would read them; pytorch/pytorch#163843)."
+                    f" Upgrade torch (2.10 and later gather it correctly), or choose sizes where {ranks} divides"
+                    f" {param.shape[dim]} (tensor_parallel_size x the data-parallel shards)."
+                )
+
+
+def _strided_cuts(param: DTensor) -> list[tuple[int, int]]:
+    """``(dim, ranks)`` of each tensor dimension that a strided shard cuts: all the mesh ranks that split it."""
+    cuts = []
+    for dim in {strided_shard_dim(p) for p in param.placements} - {None}:
+        splitting = [i for i, p in enumerate(param.placements) if strided_shard_dim(p) == dim or p == Shard(dim)]
+        cuts.append((dim, math.prod(param.device_mesh.size(i) for i in splitting)))
+    return cuts
+
+
+def _gathers_whole(param: DTensor, dim: int) -> bool:
+    # Collective on param's mesh: every rank has the same parameters, so every rank probes the same layouts in turn.
+    shape = [1] * param.dim()
+    shape[dim] = param.shape[dim]
+    whole = torch.arange(param.shape[dim], dtype=torch.float32, device=param.device_mesh.device_type).reshape(shape)
+    local = whole[placed_region(whole.shape, param.device_mesh, param.placements)]
+    probe = DTensor.from_local(local, param.device_mesh, param.placements, shape=whole.shape, stride=whole.stride())
+    return torch.equal(probe.full_tensor(), whole)
