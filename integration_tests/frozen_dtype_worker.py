@@ -112,9 +112,18 @@ def convert_frozen_as_a_user_would(model: nn.Module, frozen_dtype: str, world: i
 
 
 def run(
-    strategy: str, scenario: str, *, devices: int, world: int, rank: int | None, root: str, tensor_parallel_size: int
+    strategy: str,
+    scenario: str,
+    *,
+    devices: int,
+    world: int,
+    rank: int | None,
+    root: str,
+    tensor_parallel_size: int,
+    intermediate_size: int | None = None,
 ) -> dict[str, Any]:
     frozen_dtype, precision, hidden, intermediate = SCENARIOS[scenario]
+    intermediate = intermediate_size or intermediate
     L.seed_everything(0)
     steps = 4
     model = LoraLlama(hidden, intermediate)
@@ -156,6 +165,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, help="ranks of the job whose batches a single process takes whole")
     parser.add_argument("--out", required=True)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--intermediate-size", type=int, help="the Llama's MLP width, in place of the scenario's")
     args = parser.parse_args()
     distributed = "LOCAL_WORLD_SIZE" in os.environ
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -173,6 +183,7 @@ def main() -> None:
             rank=rank // args.tensor_parallel_size if distributed else None,
             root=root,
             tensor_parallel_size=args.tensor_parallel_size,
+            intermediate_size=args.intermediate_size,
         )
     if rank == 0:
         torch.save(results, args.out)

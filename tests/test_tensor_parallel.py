@@ -312,7 +312,10 @@ def test_a_peft_lora_layer_is_split_with_its_base_layer_colwise_by_b_and_rowwise
     module = nn.ModuleDict({"model": lora_llama()})
     tokens = torch.randint(0, 32, (2, 8))
     expected = module["model"](input_ids=tokens).logits
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     assert apply_tensor_parallel_plan(module, tensor_mesh) == ["model.base_model.model"]
+    # The frozen base stays frozen (torch 2.9's styles made every split weight trainable).
+    assert {name for name, p in module.named_parameters() if p.requires_grad} == trainable
     split = {name.removeprefix("model.base_model.model.model.layers.0.self_attn.") for name, p in
              module.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
     # A colwise layer's output columns are B's rows; a rowwise layer's input columns are A's columns.

@@ -109,7 +109,13 @@ def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
         check_even_split(base_model, layers, size)
         split.append((base_model, {layer: PLAN_STYLES[style]() for layer, style in layers.items()}))
     for base_model, styles in split:  # every plan checked before any model is split
+        frozen = {name for name, param in base_model.named_parameters() if not param.requires_grad}
         parallelize_module(base_model, mesh, styles)
+        # torch 2.9's styles wrap each split weight in a new nn.Parameter, trainable by default: a frozen base
+        # would train (later releases keep the flag).
+        for name, param in base_model.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
     return [name for name, _, _ in plans]
 
 
