@@ -32,6 +32,8 @@ __all__ = [
     "get_layout",
     "is_fake",
     "make_wrapper_subclass",
+    "mark_stepped_for_lr_schedulers",
+    "muon_functions",
     "op_arguments",
     "reduce_root_gradients_after",
     "reduce_scatter_single",
@@ -286,3 +288,49 @@ def strided_shard_dim(placement: Any) -> int | None:
     if getattr(placement, "split_factor", None) is None:
         return None
     return placement.dim
+
+
+def mark_stepped_for_lr_schedulers(optimizer: Any) -> None:
+    """Tells the LR schedulers of ``optimizer`` that it stepped, as their own wrapper of ``optimizer.step`` does.
+
+    A torch LR scheduler wraps the optimizer's ``step`` on the instance and sets ``optimizer._opt_called`` in it
+    (torch >= 2.2), then warns "lr_scheduler.step() before optimizer.step()" where that is unset. The distributed
+    steps of :mod:`fsdp_strategy.optim` replace the instance's ``step`` and so set the flag themselves; there is no
+    public spelling. An unknown torch only loses the warning's accuracy.
+    """
+    optimizer._opt_called = True
+
+
+def muon_functions() -> tuple[Any, Any, Any]:
+    """torch's Newton-Schulz orthogonalization, Muon's learning-rate adjustment and its scalar reader
+    (``torch.optim._muon``, torch >= 2.9), which the distributed Muon step calls so that it computes what
+    ``torch.optim.Muon`` computes on a whole matrix, bit for bit. Where a torch release moved them, the fallbacks
+    hold the same formulas as torch 2.13."""
+    try:
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+        from torch.optim.optimizer import _to_scalar
+    except ImportError:
+        return _newton_schulz, _adjust_muon_lr, lambda x: x.item() if isinstance(x, torch.Tensor) else x
+    return _zeropower_via_newtonschulz, _adjust_lr, _to_scalar
+
+
+def _newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Any:
+    a, b, c = coefficients
+    x = grad.bfloat16()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _adjust_muon_lr(lr: float, adjust_lr_fn: str | None, shape: Any) -> float:
+    rows, columns = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * max(1, rows / columns) ** 0.5
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * max(rows, columns) ** 0.5
+    return lr

@@ -177,6 +177,18 @@ def _weights_file(value: Any, *, option: str) -> Path | str | None:
     return where.value
 
 
+def _class_names(value: Any, *, option: str) -> tuple[str, ...]:
+    accepted = 'a list of optimizer class names (`"MyOptimizer"` or `"my_package.optim.MyOptimizer"`) or None'
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"`{option}` must be {accepted}; got {value!r} of type {type(value).__name__}.")
+    for name in value:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`{option}` must be {accepted}; got {value!r}, which holds {name!r}.")
+    return tuple(value)
+
+
 def _seconds(value: Any, *, option: str) -> timedelta:
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -386,6 +398,17 @@ class Options:
         " `optimizer_step` sees the shards (its optimizer steps them), and `on_after_backward` of a micro-batch"
         " that accumulates without reducing sees the gradients of the last reduction (`None` after `zero_grad`),"
         " where DDP shows the rank's local sum",
+    )
+
+    elementwise_optimizers: tuple[str, ...] = _option(
+        accepts=list[str] | None,
+        default=None,
+        check=_class_names,
+        help="optimizer classes, by name, declared to update each element of a parameter from that element alone (and"
+        " from scalars every rank shares), as SGD and Adam do, which then step the shards as they are. torch's"
+        " elementwise optimizers need no declaring, and `torch.optim.Muon`, `torch.optim.Adafactor` and"
+        " transformers' `Adafactor` run distributed, equal to DDP; any other class is refused before training,"
+        ' naming this option, since stepping shards of a whole-tensor update trains silently differently. See "Optimizers"',
     )
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from fsdp_strategy.checkpoint.manager import CheckpointManager
 from fsdp_strategy.checkpoint.resume_last import ResumingLauncher
 from fsdp_strategy.launch import rendezvous
 from fsdp_strategy.launch.process_group import ProcessGroup
+from fsdp_strategy.optim import ShardedOptimizers
 from fsdp_strategy.options import CheckpointFormat, check_options, docstring_args
 from fsdp_strategy.plugins import precision as plugins
 from fsdp_strategy.sharding import averaging
@@ -48,6 +49,7 @@ from fsdp_strategy.step import unused
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHooks
+from fsdp_strategy.step.whole_reads import WholeReads, plain_tensors
 from fsdp_strategy.strategy_names import register_strategy_names
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class FSDP2Strategy(ParallelStrategy):
         host_memory: str = "keep",
         reuse_comm_buffers: bool = True,
         hook_view: str = "whole",
+        elementwise_optimizers: list[str] | None = None,
     ) -> None:
         super().__init__()
         options = self.options = check_options(
@@ -120,6 +123,7 @@ class FSDP2Strategy(ParallelStrategy):
             host_memory=host_memory,
             reuse_comm_buffers=reuse_comm_buffers,
             hook_view=hook_view,
+            elementwise_optimizers=elementwise_optimizers,
         )
         self.guard = NonFiniteGuard(options.nonfinite_grads)
         self.checkpoints = CheckpointManager(
@@ -130,6 +134,7 @@ class FSDP2Strategy(ParallelStrategy):
         self.sharding = ModuleSharding(options, name=name)
         self.processes = ProcessGroup(name=name, timeout=options.timeout, backend=options.process_group_backend)
         self.step_hooks = StepHooks()  # built in setup(), closed in teardown()
+        self.optimizer_steps = ShardedOptimizers(options.elementwise_optimizers)
         self._in_manual_step = False
         self._in_no_sync = False
         self.num_nodes = 1
@@ -140,7 +145,8 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def __getstate__(self) -> dict[str, Any]:
         # A pickled Trainer (`torch.save(trainer)`) leaves out this process's hooks and child processes, as DDP's.
-        return {**super().__getstate__(), "_launcher": None, "step_hooks": StepHooks()}
+        fresh = ShardedOptimizers(self.options.elementwise_optimizers)
+        return {**super().__getstate__(), "_launcher": None, "step_hooks": StepHooks(), "optimizer_steps": fresh}
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -292,6 +298,8 @@ class FSDP2Strategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         self.sharding.adopt_optimizers(self.optimizers)
+        self.optimizer_steps.release()  # a second fit's optimizers are new ones
+        self.optimizer_steps.adopt(self.optimizers)  # before training: an unsupported optimizer is refused here
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -300,7 +308,8 @@ class FSDP2Strategy(ParallelStrategy):
         gradient_sync = torch.is_grad_enabled() and not manual and not self._in_no_sync
         try:
             self.step_hooks.before_forward()
-            output = super().training_step(*args, **kwargs)
+            with self._whole_reads():
+                output = plain_tensors(super().training_step(*args, **kwargs))
             self.step_hooks.after_forward(training=True, gradient_sync=gradient_sync)
             return output
         finally:
@@ -322,6 +331,15 @@ class FSDP2Strategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.step_hooks.after_evaluation_step("predict_step", super().predict_step(*args, **kwargs))
 
+    def _whole_reads(self) -> AbstractContextManager[Any]:
+        # Under tensor parallelism activations are DTensors too, meeting plain tensors by design.
+        return nullcontext() if self.sharding.parallelized else WholeReads()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # A manual_backward of a penalty alone (a DTensor) inside training_step, as DDP backpropagates any loss.
+        return super().backward(plain_tensors(closure_loss), optimizer, *args, **kwargs)
+
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         self.step_hooks.before_backward(closure_loss, manual=self._in_manual_step)
@@ -340,6 +358,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self.optimizer_steps.adopt([optimizer])  # one a callback added after setup
         closure = self.step_hooks.wrap_closure(closure, optimizer, model or self.lightning_module)
         self.step_hooks.before_optimizer_step(manual=self._in_manual_step)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -426,6 +445,7 @@ class FSDP2Strategy(ParallelStrategy):
         interrupted = trainer is not None and trainer.interrupted
         self.checkpoints.begin_stage()
         plugins.forget_module(self._precision_plugin)
+        self.optimizer_steps.release()
         with logged_after_an_error(interrupted, who=f"[rank {self.global_rank}] {type(self).__name__}"):
             end_stage(
                 ended_here=trainer is not None and not interrupted, world_size=self.world_size,
