@@ -1,0 +1,116 @@
+"""User code in ``training_step`` that reads whole parameters computes with whole parameters, as under DDP.
+
+Outside a unit's forward, ``self.parameters()`` (or ``self.head.weight``) are this rank's shards, DTensors. Code
+written for DDP reads them whole: a penalty on the weights added to the loss (``loss + c * sum(p.pow(2).sum() for p
+in self.parameters())``), a distance to a plain copy of the pretrained weights, a max-norm constraint applied after
+a manual ``opt.step()``. DTensor accepts the penalty's forward but its backward then mixes a DTensor gradient into
+the loss's plain graph and fails; a plain tensor of more than one element or an op without a sharding rule
+(``torch.renorm``) fails at once. :class:`WholeReads`, a torch function mode around ``training_step``, computes
+exactly those ops on whole tensors: each DTensor argument becomes ``full_tensor()`` (an all-reduce for a sum, an
+all-gather for a parameter; differentiable, so the penalty's gradient reaches each shard as DDP's reaches the whole
+parameter), the op runs on plain tensors, and where it wrote into a DTensor (in place, ``out=``) this rank's rows are
+written back; the result of an op without a rule is laid out as its first DTensor argument again. Every other op,
+all of forward included, runs as it would without the mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["WholeReads", "plain_tensors"]
+
+
+class WholeReads(TorchFunctionMode):
+    """Computes on whole tensors the ops of user code that mix DTensors with plain tensors, or that DTensor has no
+    sharding rule for (see the module)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        dtensors, plains = _split(args, kwargs)
+        if not dtensors:
+            return func(*args, **kwargs)
+        written = _written(func, args, kwargs)
+        # A plain scalar without gradient changing a shard in place (`p.mul_(torch.tensor(0.9))`) is a number to
+        # DTensor too: the shards change as the whole parameter would.
+        scalars = all(t.ndim == 0 and not t.requires_grad for t in plains)
+        if plains and not (scalars and written is not None):
+            return _on_whole(func, args, kwargs, written)
+        try:
+            return func(*args, **kwargs)
+        except NotImplementedError as error:
+            if "sharding strategy" not in str(error):
+                raise
+            return _on_whole(func, args, kwargs, written, relayout=True)
+
+
+def _tensors(values: Any) -> Iterator[Tensor]:
+    for value in values:
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, Tensor))
+
+
+def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[DTensor], list[Tensor]]:
+    dtensors, plains = [], []
+    for tensor in _tensors((*args, *kwargs.values())):
+        (dtensors if isinstance(tensor, DTensor) else plains).append(tensor)
+    return dtensors, plains
+
+
+def _whole(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, (list, tuple)) and any(isinstance(v, DTensor) for v in value):
+        return type(value)(_whole(v) for v in value)
+    return value
+
+
+def _on_whole(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], written: DTensor | None, *, relayout: bool = False
+) -> Any:
+    whole_args = tuple(_whole(a) for a in args)
+    whole_kwargs = {k: _whole(v) for k, v in kwargs.items()}
+    result = func(*whole_args, **whole_kwargs)
+    if written is not None:
+        whole_written = whole_args[0] if written is args[0] else whole_kwargs["out"]
+        written.to_local().copy_(_rows(whole_written, written))
+        return written
+    first = next(t for t in _tensors((*args, *kwargs.values())) if isinstance(t, DTensor))
+    if relayout and isinstance(result, Tensor) and result.shape == first.shape:
+        return distribute_tensor(result, first.device_mesh, first.placements, src_data_rank=None)
+    return result
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor | None:
+    """The DTensor ``func`` writes into: the ``out=`` argument, or ``self`` of an in-place method (``p.clamp_``)."""
+    if isinstance(kwargs.get("out"), DTensor):
+        return kwargs["out"]
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], DTensor):
+        return args[0]
+    if name in ("__iadd__", "__isub__", "__imul__", "__itruediv__") and args and isinstance(args[0], DTensor):
+        return args[0]
+    return None
+
+
+def _rows(whole: Tensor, like: DTensor) -> Tensor:
+    with torch.no_grad():
+        return distribute_tensor(whole.detach(), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def plain_tensors(output: Any) -> Any:
+    """A step's output with every DTensor in it made whole (a loss that is a penalty alone), as under DDP."""
+    if isinstance(output, DTensor):
+        return output.full_tensor()
+    if isinstance(output, dict):
+        return {key: plain_tensors(value) for key, value in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(plain_tensors(value) for value in output)
+    return output
