@@ -32,7 +32,7 @@ __all__ = [
     "get_layout",
     "is_fake",
     "make_wrapper_subclass",
-    "mark_stepped_for_lr_schedulers",
+    "lr_scheduler_aware",
     "muon_functions",
     "op_arguments",
     "reduce_root_gradients_after",
@@ -290,15 +290,25 @@ def strided_shard_dim(placement: Any) -> int | None:
     return placement.dim
 
 
-def mark_stepped_for_lr_schedulers(optimizer: Any) -> None:
-    """Tells the LR schedulers of ``optimizer`` that it stepped, as their own wrapper of ``optimizer.step`` does.
+def lr_scheduler_aware(step: Any, replaced: Any) -> Any:
+    """``step``, an optimizer's replacement ``step``, made to look to torch's LR schedulers as the step they wrapped.
 
-    A torch LR scheduler wraps the optimizer's ``step`` on the instance and sets ``optimizer._opt_called`` in it
-    (torch >= 2.2), then warns "lr_scheduler.step() before optimizer.step()" where that is unset. The distributed
-    steps of :mod:`fsdp_strategy.optim` replace the instance's ``step`` and so set the flag themselves; there is no
-    public spelling. An unknown torch only loses the warning's accuracy.
+    A torch LR scheduler wraps the optimizer's ``step`` on the instance (torch >= 2.2): the wrapper carries
+    ``_wrapped_by_lr_sched`` and sets ``optimizer._opt_called``. The scheduler then warns that ``step`` "has been
+    overridden after learning rate scheduler initialization" where the attribute is missing, and that
+    "lr_scheduler.step()" came before "optimizer.step()" where the flag is unset. The distributed steps of
+    :mod:`fsdp_strategy.optim` replace ``replaced`` (the instance's ``step`` before) and keep both; there is no
+    public spelling. A torch that names them otherwise only loses the warnings' accuracy.
     """
-    optimizer._opt_called = True
+    if not getattr(replaced, "_wrapped_by_lr_sched", False):
+        return step
+
+    def stepped(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(optimizer, *args, **kwargs)
+
+    stepped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return stepped
 
 
 def muon_functions() -> tuple[Any, Any, Any]:

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from fsdp_strategy._compat import mark_stepped_for_lr_schedulers
-from fsdp_strategy.optim import adafactor, muon
-from fsdp_strategy.optim.kinds import OptimizerKind, class_path, classify
+from fsdp_strategy._compat import lr_scheduler_aware
+from fsdp_strategy.optim import adafactor, local_step, muon
+from fsdp_strategy.optim.kinds import LOCAL_STEP, OptimizerKind, class_path, classify
 
 __all__ = ["DISTRIBUTED", "DistributedStep", "ShardedOptimizers"]
 
@@ -37,6 +37,7 @@ DISTRIBUTED: dict[str, DistributedStep] = {
     "torch.optim.Muon": DistributedStep(muon.check, muon.step),
     "torch.optim.Adafactor": DistributedStep(adafactor.check_torch, adafactor.torch_step),
     "transformers.optimization.Adafactor": DistributedStep(adafactor.check_transformers, adafactor.transformers_step),
+    **{path: DistributedStep(local_step.check, local_step.step) for path in LOCAL_STEP},
 }
 
 
@@ -63,12 +64,13 @@ class ShardedOptimizers:
 
     def _install(self, optimizer: Optimizer, step: Callable[[Optimizer, Any], Any]) -> None:
         def distributed_step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-            mark_stepped_for_lr_schedulers(self)
             return step(self, closure)
 
         distributed_step.__qualname__ = f"{type(optimizer).__qualname__}.step"
-        self._installed.append((optimizer, optimizer.__dict__.get("step")))
-        optimizer.step = types.MethodType(Optimizer.profile_hook_step(distributed_step), optimizer)  # type: ignore[method-assign]
+        before = optimizer.__dict__.get("step")
+        hooked = lr_scheduler_aware(Optimizer.profile_hook_step(distributed_step), before)
+        self._installed.append((optimizer, before))
+        optimizer.step = types.MethodType(hooked, optimizer)  # type: ignore[method-assign]
 
     def release(self) -> None:
         for optimizer, before in reversed(self._installed):

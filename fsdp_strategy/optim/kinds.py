@@ -16,7 +16,15 @@ from collections.abc import Collection
 
 from torch.optim import Optimizer
 
-__all__ = ["ELEMENTWISE", "REFUSED", "OptimizerKind", "UnsupportedOptimizerError", "class_path", "classify"]
+__all__ = [
+    "ELEMENTWISE",
+    "LOCAL_STEP",
+    "REFUSED",
+    "OptimizerKind",
+    "UnsupportedOptimizerError",
+    "class_path",
+    "classify",
+]
 
 
 class OptimizerKind(enum.Enum):
@@ -32,8 +40,11 @@ class UnsupportedOptimizerError(ValueError):
 # Every update here reads each element of the parameter, its gradient and its state alone, plus the step count.
 ELEMENTWISE = frozenset(
     f"torch.optim.{name}"
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD")
 )
+
+# Elementwise too, but stepped on local tensors: DTensor refuses some of their ops on a shard (optim/local_step.py).
+LOCAL_STEP = frozenset({"torch.optim.Rprop"})
 
 # Why and the fix, for the classes no distributed step exists for.
 REFUSED = {
@@ -81,7 +92,7 @@ def classify(optimizer: Optimizer, *, distributed: Collection[str], declared: Co
         " silently train differently from DDP. If its update reads each element alone, as Adam's and SGD's do,"
         f' declare it: `FSDP2Strategy(elementwise_optimizers=["{name}"])`. Otherwise train it with'
         ' `strategy="ddp"`, or use one of the optimizers that run distributed: '
-        + ", ".join(f"`{p}`" for p in sorted(distributed))
+        + ", ".join(f"`{p}`" for p in sorted(distributed) if p not in LOCAL_STEP)
         + "."
     )
 

@@ -13,7 +13,8 @@ optimizers skip it: no weight decay, no momentum, no Adam step for it. Zeros wou
 rank records which parameters received a gradient (a hook on FSDP2's unsharded parameters, which are
 created at a unit's first all-gather and reused afterwards), and after each backward that reduced
 gradients one small all-reduce of that record tells every rank which parameters no rank used; their
-gradients are put back to what they were before. Like DDP, a parameter counts as used when it got a
+gradients are put back to what they were before. A gradient that reaches a shard directly (a penalty on the
+weights computed outside forward) counts as used too. Like DDP, a parameter counts as used when it got a
 gradient in any micro-batch since the last reduction.
 
 When this rank used every parameter, nothing here can be unused on all ranks: it joins the all-reduce
@@ -95,6 +96,9 @@ class UnusedParameters:
             raise RuntimeError(f"No unsharded parameter found for {missing}; are they managed by fully_shard?")
         self._unsharded = [unsharded[id(p)] for p in self._sharded]
         self._handles = [_post_accumulate_hook(u, self._marker(i)) for i, u in enumerate(self._unsharded)]
+        # A gradient can also reach the shard itself: a penalty on the weights computed in training_step from
+        # `self.parameters()` (see step/whole_reads.py), which no unit's forward gathered for.
+        self._handles += [_post_accumulate_hook(p, self._marker(i)) for i, p in enumerate(self._sharded)]
         self._handles += [
             module.register_forward_pre_hook(self._mirror_hook(prefix))
             for prefix, module in model.named_modules()
