@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ from fsdp_strategy.sharding.policy import PolicyInput
 from fsdp_strategy.sharding.unshard import sharded_optimizers
 from fsdp_strategy.stage import ModuleSharding, ShardingArguments
 from fsdp_strategy.stage_end import end_stage, logged_after_an_error, teardown_keeping_module
-from fsdp_strategy.step import unused
+from fsdp_strategy.step import unused, whole_reads
 from fsdp_strategy.step.features import step_hooks
 from fsdp_strategy.step.guard import NonFiniteGuard
 from fsdp_strategy.step.hooks import StepHooks
@@ -135,6 +135,9 @@ class FSDP2Strategy(ParallelStrategy):
         self.processes = ProcessGroup(name=name, timeout=options.timeout, backend=options.process_group_backend)
         self.step_hooks = StepHooks()  # built in setup(), closed in teardown()
         self.optimizer_steps = ShardedOptimizers(options.elementwise_optimizers)
+        # Around training_step, except under tensor parallelism, where activations are DTensors meeting plain
+        # tensors by design.
+        self._reads = WholeReads()
         self._in_manual_step = False
         self._in_no_sync = False
         self.num_nodes = 1
@@ -146,7 +149,13 @@ class FSDP2Strategy(ParallelStrategy):
     def __getstate__(self) -> dict[str, Any]:
         # A pickled Trainer (`torch.save(trainer)`) leaves out this process's hooks and child processes, as DDP's.
         fresh = ShardedOptimizers(self.options.elementwise_optimizers)
-        return {**super().__getstate__(), "_launcher": None, "step_hooks": StepHooks(), "optimizer_steps": fresh}
+        return {
+            **super().__getstate__(),
+            "_launcher": None,
+            "step_hooks": StepHooks(),
+            "optimizer_steps": fresh,
+            "_reads": WholeReads(),
+        }
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -235,7 +244,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        explained = unused.explain(exception) or self.sharding.explain(exception)
+        explained = unused.explain(exception) or self.sharding.explain(exception) or whole_reads.explain(exception)
         self.processes.add_notes(exception, [explained, self.processes.diagnose(exception, rank=self.global_rank)])
 
     @property  # type: ignore[override]
@@ -308,7 +317,7 @@ class FSDP2Strategy(ParallelStrategy):
         gradient_sync = torch.is_grad_enabled() and not manual and not self._in_no_sync
         try:
             self.step_hooks.before_forward()
-            with self._whole_reads():
+            with nullcontext() if self.sharding.parallelized else self._reads.active():
                 output = plain_tensors(super().training_step(*args, **kwargs))
             self.step_hooks.after_forward(training=True, gradient_sync=gradient_sync)
             return output
@@ -330,10 +339,6 @@ class FSDP2Strategy(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.step_hooks.after_evaluation_step("predict_step", super().predict_step(*args, **kwargs))
-
-    def _whole_reads(self) -> AbstractContextManager[Any]:
-        # Under tensor parallelism activations are DTensors too, meeting plain tensors by design.
-        return nullcontext() if self.sharding.parallelized else WholeReads()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -361,7 +366,8 @@ class FSDP2Strategy(ParallelStrategy):
         self.optimizer_steps.adopt([optimizer])  # one a callback added after setup
         closure = self.step_hooks.wrap_closure(closure, optimizer, model or self.lightning_module)
         self.step_hooks.before_optimizer_step(manual=self._in_manual_step)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._reads.paused():  # a manual step's optimizer, inside training_step
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.step_hooks.after_optimizer_step(manual=self._in_manual_step)
         return output
 

@@ -35,6 +35,8 @@ _OPS = {
     "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "broadcast_": ("broadcast", 0),
+    # all_to_all_single: the input, what this rank sends (its own part included); the distributed Muon's.
+    "alltoall_base_": ("all_to_all", 1),
 }
 # DTensor's redistributions (tensor parallelism) use the functional collectives, which name their group by a str;
 # their input is the argument 0, and an all-gather's output is its input times the group size (argument 1).
@@ -49,7 +51,7 @@ _FUNCTIONAL_OPS = {
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all_reduce, all_gather, reduce_scatter, broadcast
+    kind: str  # all_reduce, all_gather, reduce_scatter, broadcast, all_to_all
     nbytes: int
     group: str  # the process group's name (DeviceMesh.get_group(dim).group_name)
     floating: bool  # gradients and parameters, not the int64 records of bookkeeping

@@ -214,3 +214,24 @@ def test_an_op_without_a_sharding_rule_runs_on_the_whole_parameter_and_writes_th
     for mine, theirs in zip(sharded.parameters(), plain.parameters()):
         assert isinstance(mine, DTensor)
         assert torch.equal(mine.full_tensor(), theirs)
+
+
+def test_a_constraint_outside_training_step_fails_at_its_first_call_naming_the_fix(trainer_env, tmp_path):
+    class RenormAfterEachBatch(Regression):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            with torch.no_grad():
+                self.net[0].weight.copy_(torch.renorm(self.net[0].weight, 2, 0, 1.0))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="fsdp2", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="aten.renorm.default does not have a sharding strategy") as raised:
+        trainer.fit(RenormAfterEachBatch("torch.optim.AdamW"), regression_loader())
+    assert trainer.global_step == 1
+    (note,) = [n for n in raised.value.__notes__ if "sharded parameter" in n]
+    assert note.endswith(
+        "Move the code into `training_step`, or, for gradients and parameters before the step, into"
+        " `on_before_optimizer_step` (whole under `hook_view='whole'`), or compute on `p.full_tensor()` and write"
+        " the result back with `p.copy_(distribute_tensor(result, p.device_mesh, p.placements))`."
+    )

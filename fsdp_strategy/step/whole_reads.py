@@ -16,6 +16,7 @@ all of forward included, runs as it would without the mode.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,15 +24,40 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["WholeReads", "plain_tensors"]
+__all__ = ["WholeReads", "explain", "plain_tensors"]
 
 
 class WholeReads(TorchFunctionMode):
     """Computes on whole tensors the ops of user code that mix DTensors with plain tensors, or that DTensor has no
-    sharding rule for (see the module)."""
+    sharding rule for (see the module). :meth:`paused` lets an optimizer step inside ``training_step`` (manual
+    optimization) run its many ops without the mode looking at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._paused = False
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The mode on, also inside an automatic optimizer step's closure, which runs in :meth:`paused`."""
+        paused, self._paused = self._paused, False
+        try:
+            with self:
+                yield
+        finally:
+            self._paused = paused
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         dtensors, plains = _split(args, kwargs)
         if not dtensors:
             return func(*args, **kwargs)
@@ -114,3 +140,23 @@ def plain_tensors(output: Any) -> Any:
     if isinstance(output, (list, tuple)):
         return type(output)(plain_tensors(value) for value in output)
     return output
+
+
+# What DTensor says when code reads a shard as if it were the whole parameter.
+_DTENSOR_ERRORS = ("does not have a sharding strategy registered", "got mixed torch.Tensor and DTensor")
+
+
+def explain(exception: BaseException) -> str | None:
+    """A note for such an error outside ``training_step`` (``optimizer_step``, ``on_train_batch_end``, a callback),
+    where the module's parameters are this rank's shards; ``None`` for any other error."""
+    if not any(text in str(exception) for text in _DTENSOR_ERRORS):
+        return None
+    return (
+        "Code read a sharded parameter (a DTensor holding this rank's rows) as if it were the whole parameter, with"
+        " an op that needs all of it (a constraint such as `torch.renorm`, a plain tensor of another shape). In"
+        " `training_step` such code computes on whole parameters as under DDP (a penalty on the weights, a"
+        " constraint after a manual `opt.step()`); outside it, between steps, FSDP2's parameters are shards. Move"
+        " the code into `training_step`, or, for gradients and parameters before the step, into"
+        " `on_before_optimizer_step` (whole under `hook_view='whole'`), or compute on `p.full_tensor()` and write"
+        " the result back with `p.copy_(distribute_tensor(result, p.device_mesh, p.placements))`."
+    )
