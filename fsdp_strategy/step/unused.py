@@ -98,7 +98,9 @@ class UnusedParameters:
         self._handles = [_post_accumulate_hook(u, self._marker(i)) for i, u in enumerate(self._unsharded)]
         # A gradient can also reach the shard itself: a penalty on the weights computed in training_step from
         # `self.parameters()` (see step/whole_reads.py), which no unit's forward gathered for.
-        self._handles += [_post_accumulate_hook(p, self._marker(i)) for i, p in enumerate(self._sharded)]
+        # A gradient hook, not a post-accumulate one: FSDP2's own reduce writes every shard's `.grad` (zeros for
+        # unused parameters), which must not count as use.
+        self._handles += [_post_accumulate_hook(p, self._marker(i), on="gradient") for i, p in enumerate(self._sharded)]
         self._handles += [
             module.register_forward_pre_hook(self._mirror_hook(prefix))
             for prefix, module in model.named_modules()
@@ -206,14 +208,16 @@ class UnusedParameters:
             self.model.set_reduce_scatter_unused_params(False)  # type: ignore[operator]
 
 
-def _post_accumulate_hook(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
-    """``param.register_post_accumulate_grad_hook(hook)``, also for a frozen parameter: the hook stays and runs
-    once the parameter is unfrozen (torch refuses to register it on a tensor that does not require grad)."""
+def _post_accumulate_hook(param: Tensor, hook: Callable[[Tensor], None], *, on: str = "accumulated") -> RemovableHandle:
+    """``param.register_post_accumulate_grad_hook(hook)`` (``on="gradient"``: ``param.register_hook``, when autograd
+    computes a gradient for it), also for a frozen parameter: the hook stays and runs once the parameter is
+    unfrozen (torch refuses to register it on a tensor that does not require grad)."""
+    register = param.register_post_accumulate_grad_hook if on == "accumulated" else param.register_hook
     if param.requires_grad:
-        return param.register_post_accumulate_grad_hook(hook)
+        return register(hook)
     param.requires_grad_(True)
     try:
-        return param.register_post_accumulate_grad_hook(hook)
+        return register(hook)
     finally:
         param.requires_grad_(False)
 
