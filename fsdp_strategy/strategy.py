@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -135,9 +135,7 @@ class FSDP2Strategy(ParallelStrategy):
         self.processes = ProcessGroup(name=name, timeout=options.timeout, backend=options.process_group_backend)
         self.step_hooks = StepHooks()  # built in setup(), closed in teardown()
         self.optimizer_steps = ShardedOptimizers(options.elementwise_optimizers)
-        # Around training_step, except under tensor parallelism, where activations are DTensors meeting plain
-        # tensors by design.
-        self._reads = WholeReads()
+        self._reads = WholeReads()  # around each *_step (see _reading_whole)
         self._in_manual_step = False
         self._in_no_sync = False
         self.num_nodes = 1
@@ -317,7 +315,7 @@ class FSDP2Strategy(ParallelStrategy):
         gradient_sync = torch.is_grad_enabled() and not manual and not self._in_no_sync
         try:
             self.step_hooks.before_forward()
-            with nullcontext() if self.sharding.parallelized else self._reads.active():
+            with self._reading_whole():
                 output = plain_tensors(super().training_step(*args, **kwargs))
             self.step_hooks.after_forward(training=True, gradient_sync=gradient_sync)
             return output
@@ -325,20 +323,29 @@ class FSDP2Strategy(ParallelStrategy):
             self.step_hooks.after_training_step(manual=manual)
             self._in_manual_step = False
 
+    def _reading_whole(self) -> AbstractContextManager[None]:
+        # Off under tensor parallelism, where activations are DTensors meeting plain tensors by design.
+        return nullcontext() if self.sharding.parallelized else self._reads.active()
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self.step_hooks.before_forward()
-        output = super().validation_step(*args, **kwargs)
+        with self._reading_whole():
+            output = plain_tensors(super().validation_step(*args, **kwargs))
         self.step_hooks.after_forward(training=False, gradient_sync=False)
         return self.step_hooks.after_evaluation_step("validation_step", output)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.step_hooks.after_evaluation_step("test_step", super().test_step(*args, **kwargs))
+        with self._reading_whole():
+            output = plain_tensors(super().test_step(*args, **kwargs))
+        return self.step_hooks.after_evaluation_step("test_step", output)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.step_hooks.after_evaluation_step("predict_step", super().predict_step(*args, **kwargs))
+        with self._reading_whole():
+            output = plain_tensors(super().predict_step(*args, **kwargs))
+        return self.step_hooks.after_evaluation_step("predict_step", output)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

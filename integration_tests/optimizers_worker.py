@@ -1,6 +1,7 @@
 """Optimizers that read whole tensors, and training steps that read whole parameters, under ``fsdp2`` and ``ddp``.
 
-Each run is ``strategy/scenario`` (``--runs``), a scenario ``optimizer[+penalty][+manual][+accumulate]``, or
+Each run is ``strategy/scenario`` (``--runs``), a scenario ``optimizer[+penalty][+manual][+accumulate][+hybrid]``
+(``hybrid``: ``fsdp2`` on a (replicate, shard) = (2, W/2) mesh), or
 ``save:optimizer:format`` (fit 3 steps and save) and ``resume:optimizer:format`` (resume that checkpoint to 6 steps,
 on this launch's world size, which may differ from the saving launch's). Rank 0 writes a dict of results to
 ``--out``: the parameters after the fit and the logged metrics.
@@ -20,8 +21,10 @@ import fsdp_strategy
 from testkit.optimizers import Regression, regression_loader
 
 
-def _strategy(strategy: str, state_dict_type: str = "full") -> Any:
-    return fsdp_strategy.FSDP2Strategy(state_dict_type=state_dict_type) if strategy == "fsdp2" else strategy
+def _strategy(strategy: str, state_dict_type: str = "full", replicate_size: int | None = None) -> Any:
+    if strategy != "fsdp2":
+        return strategy
+    return fsdp_strategy.FSDP2Strategy(state_dict_type=state_dict_type, replicate_size=replicate_size)
 
 
 def _trainer(strategy: Any, **options: Any) -> L.Trainer:
@@ -49,15 +52,17 @@ def fit(strategy: str, scenario: str) -> dict[str, Any]:
     """``optimizer`` is a name of testkit.optimizers.OPTIMIZERS or ``torch.optim.<Class>``; an error (a refusal)
     is the result, as ``Type: message``."""
     optimizer, *flags = scenario.split("+")
-    penalty = next((f for f in flags if f not in ("manual", "accumulate")), "none")
+    penalty = next((f for f in flags if f not in ("manual", "accumulate", "hybrid")), "none")
     L.seed_everything(42)
     model = Regression(optimizer, penalty=penalty, manual="manual" in flags)
     accumulate = 2 if "accumulate" in flags else 1
-    trainer = _trainer(
-        _strategy(strategy), max_steps=6 if "." not in optimizer else 3, accumulate_grad_batches=accumulate
-    )
+    chosen = _strategy(strategy, replicate_size=2 if "hybrid" in flags else None)
+    validation = regression_loader(samples=16) if penalty != "none" else None
+    evaluate = {"val_check_interval": 4, "limit_val_batches": 2} if validation is not None else {}
+    steps = 6 if "." not in optimizer else 3
+    trainer = _trainer(chosen, max_steps=steps, accumulate_grad_batches=accumulate, **evaluate)
     try:
-        trainer.fit(model, regression_loader())
+        trainer.fit(model, regression_loader(), validation)
     except Exception as error:  # noqa: BLE001 - the refusal is what the test reads
         return {"error": f"{type(error).__name__}: {error}", "global_step": trainer.global_step}
     return _result(model, trainer)

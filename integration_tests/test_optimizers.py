@@ -16,7 +16,8 @@ import torch
 from integration_tests.conftest import max_relative_difference, torchrun
 from testkit.optimizers import TORCH_OPTIMIZERS
 
-# optimizer[+penalty][+manual][+accumulate]; manual runs also renorm each layer's rows after the step.
+# optimizer[+penalty][+manual][+accumulate][+hybrid]; manual runs also renorm each layer's rows after the step;
+# hybrid: fsdp2 on a (replicate, shard) = (2, 2) mesh against ddp on 4 ranks.
 PARITY = {
     2: [
         "muon",
@@ -29,7 +30,16 @@ PARITY = {
         "hf_adafactor_beta1",
         "hf_adafactor+distance+manual",
     ],
-    4: ["muon", "muon_adamw+l2+manual", "muon+penalty_only", "adafactor", "hf_adafactor", "hf_adafactor_beta1+l2"],
+    4: [
+        "muon",
+        "muon_adamw+l2+manual",
+        "muon+penalty_only",
+        "muon+hybrid",
+        "adafactor",
+        "adafactor+hybrid",
+        "hf_adafactor",
+        "hf_adafactor_beta1+l2",
+    ],
 }
 SAVED = [("muon", "full"), ("muon", "sharded"), ("adafactor", "sharded"), ("hf_adafactor", "full")]
 REFUSED = {

@@ -124,5 +124,11 @@ class Regression(L.LightningModule):
                 layer.weight.copy_(torch.renorm(layer.weight, 2, 0, 1.0))
         return None
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(inputs), targets), sync_dist=True)
+        if self.hparams.penalty != "none":  # computed from the parameters outside any training, as under DDP
+            self.log("val_penalty", self._penalty(), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         return OPTIMIZERS.get(self.hparams.optimizer, _torch_optimizer)(self)
