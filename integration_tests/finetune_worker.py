@@ -318,8 +318,12 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def make_trainer(strategy: str, devices: int, **kwargs: Any) -> L.Trainer:
     if strategy == "single":
         strategy = "auto"
+    # CountingSGD overrides `step` (to count its calls): declared elementwise, as a user declares such a subclass.
+    declared = ["CountingSGD"]
     if strategy == "fsdp2_sharded":
-        strategy = fsdp_strategy.FSDP2Strategy(state_dict_type="sharded")  # type: ignore[assignment]
+        strategy = fsdp_strategy.FSDP2Strategy(state_dict_type="sharded", elementwise_optimizers=declared)  # type: ignore[assignment]
+    elif strategy == "fsdp2":
+        strategy = fsdp_strategy.FSDP2Strategy(elementwise_optimizers=declared)  # type: ignore[assignment]
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
         devices=devices,
