@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
-from torch.optim.optimizer import _get_scalar_dtype
 
 from fsdp_strategy.optim.rows import RowShards, all_reduce_sums, row_shards
 
@@ -142,7 +141,7 @@ def _torch_steps(optimizer: Optimizer) -> list[tuple[RowShards, _Step]]:
 
 
 def _init_torch(state: dict[str, Any], param: Tensor, shards: RowShards, grad: Tensor) -> None:
-    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
     if param.dim() > 1:
         state["row_var"] = shards.as_like(grad.new_zeros((*grad.shape[:-1], 1)), param)
         col_var = grad.new_zeros((*grad.shape[:-2], 1, grad.shape[-1]))
@@ -303,3 +302,8 @@ def _transformers_param(optimizer: Any, state: dict, param: Tensor, shards: RowS
     p32.add_(-step)
     if p32 is not local:
         local.copy_(p32)
+
+
+def _scalar_dtype() -> torch.dtype:
+    # The dtype torch's optimizers keep their step counters in: float64 only under a float64 default.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
