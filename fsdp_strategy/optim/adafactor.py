@@ -101,23 +101,18 @@ def _run(steps: list[tuple[RowShards, _Step]]) -> None:
         pending = still
 
 
-def _with_closure(optimizer: Optimizer, closure: Callable[[], Any] | None, steps: Callable[[], list]) -> Any:
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
+def _no_grad_run(steps: Callable[[], list]) -> None:
     with torch.no_grad():
         _run(steps())
-    return loss
 
 
 # --- torch.optim.Adafactor (torch.optim._adafactor._single_tensor_adafactor) ---------------------------------------
 
 
-def torch_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+def torch_step(optimizer: Optimizer) -> None:
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         raise AssertionError("Grad scaling should occur outside of optimizer.step()")
-    return _with_closure(optimizer, closure, lambda: _torch_steps(optimizer))
+    _no_grad_run(lambda: _torch_steps(optimizer))
 
 
 def _torch_steps(optimizer: Optimizer) -> list[tuple[RowShards, _Step]]:
@@ -205,8 +200,8 @@ def _torch_param(state: dict, param: Tensor, shards: RowShards, group: dict, lr:
 # --- transformers.optimization.Adafactor -----------------------------------------------------------------------
 
 
-def transformers_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    return _with_closure(optimizer, closure, lambda: _transformers_steps(optimizer))
+def transformers_step(optimizer: Optimizer) -> None:
+    _no_grad_run(lambda: _transformers_steps(optimizer))
 
 
 def _transformers_steps(optimizer: Optimizer) -> list[tuple[RowShards, _Step]]:

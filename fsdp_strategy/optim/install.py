@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 from fsdp_strategy._compat import lr_scheduler_aware
@@ -27,10 +28,11 @@ __all__ = ["DISTRIBUTED", "DistributedStep", "ShardedOptimizers"]
 @dataclass(frozen=True)
 class DistributedStep:
     """``check(optimizer)`` raises before training for what the step cannot run exactly (a tensor-parallel
-    layout); ``step(optimizer, closure)`` is ``optimizer.step``'s replacement, the same on every rank."""
+    layout); ``step(optimizer)`` updates the parameters as ``optimizer.step`` would, the same on every rank (the
+    closure, if any, has run)."""
 
     check: Callable[[Optimizer], None]
-    step: Callable[[Optimizer, Callable[[], Any] | None], Any]
+    step: Callable[[Optimizer], None]
 
 
 DISTRIBUTED: dict[str, DistributedStep] = {
@@ -62,9 +64,15 @@ class ShardedOptimizers:
                 self._install(optimizer, distributed.step)
             self.kinds[id(optimizer)] = kind
 
-    def _install(self, optimizer: Optimizer, step: Callable[[Optimizer, Any], Any]) -> None:
+    def _install(self, optimizer: Optimizer, step: Callable[[Optimizer], None]) -> None:
         def distributed_step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-            return step(self, closure)
+            # As torch's optimizers: the closure (forward and backward) first, with gradients on.
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            step(self)
+            return loss
 
         distributed_step.__qualname__ = f"{type(optimizer).__qualname__}.step"
         before = optimizer.__dict__.get("step")

@@ -11,7 +11,6 @@ layout any elementwise optimizer's state has.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,18 +25,13 @@ def check(optimizer: Optimizer) -> None:
     """Any layout: an elementwise update is exact on whatever part of a parameter a rank holds."""
 
 
-def step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
+def step(optimizer: Optimizer) -> None:
     swapped = _swap_to_local(optimizer)
     try:
         # The class's own step, unwrapped from torch's hook wrapper: the installed step already ran the hooks.
         inspect.unwrap(type(optimizer).step)(optimizer)
     finally:
         _swap_back(optimizer, swapped)
-    return loss
 
 
 def _swap_to_local(optimizer: Optimizer) -> list[tuple[list[Tensor], int, DTensor, Tensor]]:

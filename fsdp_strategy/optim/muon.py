@@ -8,7 +8,6 @@ parameter. Every line follows ``torch.optim._muon._single_tensor_muon`` (torch 2
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,11 +65,6 @@ def _update(optimizer: Optimizer, group: dict[str, Any]) -> None:
         local.add_(update, alpha=-adjusted_lr)
 
 
-def step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
+def step(optimizer: Optimizer) -> None:
     for group in optimizer.param_groups:
         _update(optimizer, group)
-    return loss
