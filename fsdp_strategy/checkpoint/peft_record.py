@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch
 from torch import nn
 
 __all__ = ["PEFT_KEY", "peft_record"]
@@ -54,9 +55,10 @@ def _adapters(peft_module: nn.Module, prefix: str, state: dict[str, Any]) -> dic
     """Each adapter's config and its tensors' names (``None`` where peft saves tensors not in the module's state)."""
     from peft import get_peft_model_state_dict
 
-    # A stand-in of its own for each entry (a view of the tensor: no copy, no gather): the entries peft returns are
-    # found by identity, whatever names peft gives them.
-    stand_ins = {key[len(prefix) :]: value.detach() for key, value in state.items() if key.startswith(prefix)}
+    # A stand-in of its own for each entry, found again by identity in what peft returns, whatever names peft gives
+    # them. Meta tensors of the global shape: peft (0.22) gathers DTensor entries with full_tensor(), which would
+    # make new tensors (and a collective on one rank's save); a meta tensor holds no memory and is never gathered.
+    stand_ins = {key[len(prefix) :]: _stand_in(value) for key, value in state.items() if key.startswith(prefix)}
     keys = {id(value): prefix + key for key, value in stand_ins.items()}
     adapters = {}
     for adapter, config in peft_module.peft_config.items():
@@ -68,6 +70,12 @@ def _adapters(peft_module: nn.Module, prefix: str, state: dict[str, Any]) -> dic
         unsupported = len(weights) != len(picked)  # entries peft made itself (prompt learning's embeddings)
         adapters[adapter] = {"config": _config(config, peft_module), "weights": None if unsupported else weights}
     return adapters
+
+
+def _stand_in(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device="meta")
 
 
 def _config(config: Any, peft_module: nn.Module) -> dict[str, Any]:
