@@ -14,8 +14,8 @@ import copy
 import json
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 __all__ = ["PEFT_KEY", "peft_record"]
