@@ -108,6 +108,7 @@ class Regression(L.LightningModule):
         if self.hparams.penalty != "none":
             penalty = self._penalty()
             self.log("penalty", penalty)
+            self.log("penalty_value", penalty.item())  # a number read in training_step, as DDP's rank 0 reads it
             loss = penalty if self.hparams.penalty == "penalty_only" else loss + penalty
         self.log("train_loss", loss)
         if self.automatic_optimization:

@@ -203,6 +203,17 @@ def test_a_penalty_on_sharded_weights_gets_the_gradient_of_the_whole_weights(mes
         assert torch.allclose(mine.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_a_reduction_of_shards_is_the_whole_value_as_a_plain_tensor(mesh):
+    # DTensor's own result is each rank's part (Partial): its item() would be this rank's part alone.
+    plain, sharded = _sharded_pair(mesh)
+    with WholeReads():
+        square_sum = sharded[0].weight.pow(2).sum()
+        mean, std = torch.std_mean(sharded[2].weight)
+    assert type(square_sum) is torch.Tensor  # a reduction DTensor replicates itself stays one: its value is whole
+    assert square_sum.item() == pytest.approx(plain[0].weight.pow(2).sum().item(), rel=1e-6)
+    assert (mean.item(), std.item()) == pytest.approx(tuple(t.item() for t in torch.std_mean(plain[2].weight)))
+
+
 def test_an_op_without_a_sharding_rule_runs_on_the_whole_parameter_and_writes_the_shards(mesh):
     plain, sharded = _sharded_pair(mesh)
     with torch.no_grad():

@@ -9,8 +9,10 @@ the loss's plain graph and fails; a plain tensor of more than one element or an 
 exactly those ops on whole tensors: each DTensor argument becomes ``full_tensor()`` (an all-reduce for a sum, an
 all-gather for a parameter; differentiable, so the penalty's gradient reaches each shard as DDP's reaches the whole
 parameter), the op runs on plain tensors, and where it wrote into a DTensor (in place, ``out=``) this rank's rows are
-written back; the result of an op without a rule is laid out as its first DTensor argument again. Every other op,
-all of forward included, runs as it would without the mode.
+written back; the result of an op without a rule is laid out as its first DTensor argument again. A reduction of
+DTensors alone (``p.pow(2).sum()``), which DTensor leaves as each rank's part of a sum still to be taken
+(``Partial``), is made whole at once, one all-reduce: its ``item()`` and the value ``self.log`` keeps would be this
+rank's part otherwise. Every other op, all of forward included, runs as it would without the mode.
 """
 
 from __future__ import annotations
@@ -68,11 +70,19 @@ class WholeReads(TorchFunctionMode):
         if plains and not (scalars and written is not None):
             return _on_whole(func, args, kwargs, written)
         try:
-            return func(*args, **kwargs)
+            return _settled(func(*args, **kwargs))
         except NotImplementedError as error:
             if "sharding strategy" not in str(error):
                 raise
             return _on_whole(func, args, kwargs, written, relayout=True)
+
+
+def _settled(result: Any) -> Any:
+    """A reduction over shards (``p.pow(2).sum()``) made whole at once: DTensor leaves it a pending sum of each
+    rank's part (``Partial``), whose ``item()``, or the value ``self.log`` keeps, is this rank's part alone."""
+    if isinstance(result, DTensor) and any(placement.is_partial() for placement in result.placements):
+        return result.full_tensor()
+    return result
 
 
 def _tensors(values: Any) -> Iterator[Tensor]:
