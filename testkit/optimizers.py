@@ -118,6 +118,7 @@ class Regression(L.LightningModule):
         for optimizer in optimizers:
             optimizer.zero_grad()
         self.manual_backward(loss)
+        torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=0.5)  # clips: the gradients' norm is above 1
         for optimizer in optimizers:
             optimizer.step()
         with torch.no_grad():  # a max-norm constraint on each output unit, after the step

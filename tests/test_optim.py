@@ -214,6 +214,22 @@ def test_a_reduction_of_shards_is_the_whole_value_as_a_plain_tensor(mesh):
     assert (mean.item(), std.item()) == pytest.approx(tuple(t.item() for t in torch.std_mean(plain[2].weight)))
 
 
+def test_gradients_clipped_in_training_step_are_clipped_as_the_whole_gradients(mesh):
+    # clip_grad_norm_ multiplies the shards by a plain coefficient in one in-place foreach op: dropping its result
+    # would leave the gradients unclipped without a word.
+    plain, sharded = _sharded_pair(mesh)
+    inputs = torch.randn(4, 5)
+    norms = []
+    for model, reads in ((plain, None), (sharded, WholeReads())):
+        model(inputs).pow(2).sum().backward()
+        with reads or torch.enable_grad():
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1))
+            torch._foreach_add_([p.grad for p in model.parameters()], [torch.ones(p.shape) for p in plain.parameters()])
+    assert type(norms[1]) is torch.Tensor and norms[1].item() == pytest.approx(norms[0].item(), rel=1e-6)
+    for mine, theirs in zip(sharded.parameters(), plain.parameters()):
+        assert torch.allclose(mine.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_an_op_without_a_sharding_rule_runs_on_the_whole_parameter_and_writes_the_shards(mesh):
     plain, sharded = _sharded_pair(mesh)
     with torch.no_grad():

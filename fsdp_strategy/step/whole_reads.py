@@ -66,8 +66,9 @@ class WholeReads(TorchFunctionMode):
         written = _written(func, args, kwargs)
         # A plain scalar without gradient changing a shard in place (`p.mul_(torch.tensor(0.9))`) is a number to
         # DTensor too: the shards change as the whole parameter would.
+        # So is the coefficient clip_grad_norm_ multiplies the gradients by (`torch._foreach_mul_(grads, coef)`).
         scalars = all(t.ndim == 0 and not t.requires_grad for t in plains)
-        if plains and not (scalars and written is not None):
+        if plains and not (scalars and written):
             return _on_whole(func, args, kwargs, written)
         try:
             return _settled(func(*args, **kwargs))
@@ -109,31 +110,47 @@ def _whole(value: Any) -> Any:
 
 
 def _on_whole(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], written: DTensor | None, *, relayout: bool = False
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], written: list[DTensor], *, relayout: bool = False
 ) -> Any:
     whole_args = tuple(_whole(a) for a in args)
     whole_kwargs = {k: _whole(v) for k, v in kwargs.items()}
     result = func(*whole_args, **whole_kwargs)
-    if written is not None:
-        whole_written = whole_args[0] if written is args[0] else whole_kwargs["out"]
-        written.to_local().copy_(_rows(whole_written, written))
-        return written
+    if written:
+        if isinstance(kwargs.get("out"), DTensor):
+            pairs, returned = [(whole_kwargs["out"], kwargs["out"])], kwargs["out"]
+        elif isinstance(args[0], DTensor):
+            pairs, returned = [(whole_args[0], args[0])], args[0]
+        else:  # an in-place foreach op, which returns nothing: the DTensors of its first argument, a list
+            pairs = [(whole, target) for whole, target in zip(whole_args[0], args[0]) if isinstance(target, DTensor)]
+            returned = result
+        for whole, target in pairs:
+            target.to_local().copy_(_rows(whole, target))
+        return returned
     first = next(t for t in _tensors((*args, *kwargs.values())) if isinstance(t, DTensor))
     if relayout and isinstance(result, Tensor) and result.shape == first.shape:
         return distribute_tensor(result, first.device_mesh, first.placements, src_data_rank=None)
     return result
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor | None:
-    """The DTensor ``func`` writes into: the ``out=`` argument, or ``self`` of an in-place method (``p.clamp_``)."""
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DTensor]:
+    """The DTensors ``func`` writes into: the ``out=`` argument, ``self`` of an in-place method (``p.clamp_``), or
+    the DTensors of an in-place foreach op's first list (``torch._foreach_mul_(grads, coef)``)."""
     if isinstance(kwargs.get("out"), DTensor):
-        return kwargs["out"]
+        return [kwargs["out"]]
     name = getattr(func, "__name__", "")
-    if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], DTensor):
-        return args[0]
-    if name in ("__iadd__", "__isub__", "__imul__", "__itruediv__") and args and isinstance(args[0], DTensor):
-        return args[0]
-    return None
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in (
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+    )
+    if not in_place or not args:
+        return []
+    if isinstance(args[0], DTensor):
+        return [args[0]]
+    if isinstance(args[0], (list, tuple)):
+        return [t for t in args[0] if isinstance(t, DTensor)]
+    return []
 
 
 def _rows(whole: Tensor, like: DTensor) -> Tensor:
