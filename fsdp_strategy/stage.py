@@ -238,6 +238,9 @@ class ModuleSharding:
         options, precision, mesh, device = self.options, arguments.precision, arguments.mesh, arguments.device
         # A `tensor_parallel` dimension of 1 ("auto" on one device a node) splits nothing: no plan is needed.
         tensor_parallel = arguments.tensor_mesh is not None and arguments.tensor_mesh.size() > 1
+        # Before the plan, not only before fully_shard: parallelize_module wraps each weight it splits in a new
+        # Parameter, without the record the old one carried (a split LoRA B got its Linear's init, not peft's zeros).
+        deferred = records_by_name(model)
         if tensor_parallel and not is_parallelized(model):
             split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
             rank_zero_info(f"{self.name}: split {', '.join(split) or 'the module'} by its `base_model_tp_plan`")
@@ -248,7 +251,6 @@ class ModuleSharding:
         mp_policy = self.mp_policy(precision)
         keep_norms_fp32 = options.mp_policy is None and mixed_precision_policy(precision.precision) is not None
         units = plan_units(model, options.wrap_policy, mp_policy=mp_policy, keep_norms_fp32=keep_norms_fp32)
-        deferred = records_by_name(model)  # fully_shard replaces the parameters that carry them
         if options.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(select_modules(model, options.activation_checkpointing_policy))
         if options.compile_blocks and options.wrap_policy is not None:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.plugins.clipping import clip_grad_norm, total_grad_norm
+from fsdp_strategy.sharding.deferred_init import deferred_init, materialize, records_by_name
 from fsdp_strategy.sharding.mesh import (
     DATA_PARALLEL_DIM,
     TENSOR_PARALLEL_DIM,
@@ -30,6 +31,7 @@ from fsdp_strategy.sharding.tensor_parallel import (
     hugging_face_plans,
     plan_layers,
 )
+from testkit import full
 from testkit.models import token_dataset
 from testkit.tensor_parallel import TensorParallelGPT
 
@@ -303,7 +305,8 @@ def lora_llama(**lora_options):
     from testkit.hf import TINY_LLAMA
 
     torch.manual_seed(0)
-    config = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "o_proj"], init_lora_weights=False, **lora_options)
+    options = {"init_lora_weights": False, **lora_options}  # B random, so that the adapters change the logits
+    config = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "o_proj"], **options)
     return get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), config)
 
 
@@ -336,3 +339,31 @@ def test_a_lora_variant_under_tensor_parallelism_is_refused_naming_the_layer_and
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_tensor_parallel_plan(lora_llama(use_dora=True), tensor_mesh)
+
+
+def test_a_deferred_lora_model_split_by_its_plan_replays_peft_init_on_the_split_shards(single_rank_group):
+    # As the strategy does under meta_init: the records are taken before the plan replaces the split weights.
+    pytest.importorskip("peft")
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM))
+    eager = lora_llama(init_lora_weights=True)  # peft's own init: B zero
+    with deferred_init(torch.device("cpu")):
+        deferred = lora_llama(init_lora_weights=True)
+    records = records_by_name(deferred)
+    apply_tensor_parallel_plan(deferred, mesh[TENSOR_PARALLEL_DIM])
+    split = {name for name, param in deferred.named_parameters() if isinstance(param, DTensor)}
+    assert {name for name in split if "lora_" in name and "layers.0." in name} == {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight",
+        "base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight",
+    }
+    for layer in deferred.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh[DATA_PARALLEL_DIM])
+    fully_shard(deferred, mesh=mesh[DATA_PARALLEL_DIM])
+    materialize(deferred, torch.device("cpu"), records)
+
+    reference = dict(eager.named_parameters())
+    for name, param in deferred.named_parameters():
+        values = full(param)
+        if "lora_B" in name or "norm" in name:  # zeros, ones: as the eager build, split or not
+            assert torch.equal(values, reference[name]), name
+        else:  # random: the eager build's scheme (peft's kaiming A, Hugging Face's normal), not its stream
+            assert values.std().item() == pytest.approx(reference[name].std().item(), rel=0.25), name

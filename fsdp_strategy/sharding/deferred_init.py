@@ -304,7 +304,8 @@ def deferred_init(device: torch.device) -> Iterator[None]:
 
 
 def records_by_name(model: nn.Module) -> dict[str, Record]:
-    """The records of ``model``'s deferred parameters, by name, taken before ``fully_shard`` replaces them."""
+    """The records of ``model``'s deferred parameters, by name, taken before ``parallelize_module`` and
+    ``fully_shard`` replace the parameters (the names stay)."""
     _to_meta([model])  # deferred parameters the context did not reach: a deep copy kept outside any module
     # Taken off the parameters: a record holds the tensors its writes copy from (a loaded state dict).
     return {

@@ -6,11 +6,13 @@ writes made to it, in order. :func:`materialize` replays them after ``fully_shar
 
 - by rows: each rank applies the writes to the rows (dim 0) its shard holds. Only for writes that act
   element by element (``torch.Tag.pointwise``) or overwrite without reading (random fills, ``fill_``,
-  ``zero_``), on whole rows, with no tensor operand but 0-dim ones. This is what keeps memory at 1/N.
+  ``zero_``), on whole rows, with no tensor operand but 0-dim ones, into a shard of whole rows (FSDP2's, a
+  colwise tensor-parallel split's). This is what keeps memory at 1/N.
 - in full: the whole parameter on a temporary, then the shard copied out. Everything else: ``cumsum_``,
-  ``index_put_``, a column view. A parameter that depends on values each rank computed for itself (a
-  tensor operand, values it was created with, or construction code that read it) is built on every rank
-  and broadcast from rank 0, as DDP starts every rank from rank 0's module.
+  ``index_put_``, a column view, a shard that a rowwise tensor-parallel split cuts by columns. A parameter
+  that depends on values each rank computed for itself (a tensor operand, values it was created with, or
+  construction code that read it) is built on every rank and broadcast from rank 0, as DDP starts every
+  rank from rank 0's module.
 
 Every random write draws from a generator of its own, seeded from rank 0's seed, the write's creation
 order and the first row it writes on the shard: shards differ from each other, replicas (hybrid
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from fsdp_strategy._compat import op_arguments, tensor_version, tree_unflatten
+from fsdp_strategy.checkpoint.pretrained import local_region
 from fsdp_strategy.sharding.policy import class_name
 
 __all__ = ["OVERWRITES", "DeferredInitError", "Record", "Write", "has_meta_tensors", "materialize"]
@@ -310,14 +312,15 @@ def _plan(records: dict[str, Record], via: torch.device) -> tuple[int, set[str]]
 def _fill(param: Tensor, record: Record, *, seed: int, broadcast: bool, via: torch.device) -> None:
     """Writes this rank's part of a recorded parameter into ``param`` (a DTensor shard or a plain tensor)."""
     local = _local(param)
-    rows = _local_rows(param)
+    region = local_region(param)
+    rows = _rows_only(param, region)
     if rows is not None and not broadcast and record.by_rows():
         record.replay_rows(local, *rows, seed)
         return
     full = record.build_full(seed)
     if broadcast:
         full = _from_rank_zero(full, via)
-    local.copy_(full if rows is None else full[rows[0] : rows[1]])
+    local.copy_(full[region])
 
 
 def _from_rank_zero(tensor: Tensor, via: torch.device) -> Tensor:
@@ -328,22 +331,12 @@ def _from_rank_zero(tensor: Tensor, via: torch.device) -> Tensor:
     return tensor
 
 
-def _local_rows(param: Tensor) -> tuple[int, int] | None:
-    """The rows (dim 0) of the full parameter that this rank's shard holds; ``None`` for a whole tensor.
-
-    FSDP2 shards dim 0 as ``torch.chunk`` does: chunks of ``ceil(rows / n)``, the last ones short or empty.
-    """
-    if not isinstance(param, DTensor):
+def _rows_only(param: Tensor, region: tuple[slice, ...]) -> tuple[int, int] | None:
+    """``(start, end)``: the rows (dim 0) of the full parameter that this rank's shard of ``param`` holds, when its
+    placements cut only rows (FSDP2's shards, a colwise tensor-parallel split); ``None`` for a plain tensor, and for a
+    DTensor that is also cut by columns (a rowwise split's dim 1), whose rows each rank then builds whole."""
+    if not isinstance(param, DTensor) or not param.dim():
         return None
-    start, size = 0, param.shape[0]
-    for mesh_dim, placement in enumerate(param.placements):
-        if not isinstance(placement, Shard):
-            continue
-        if placement.dim != 0:
-            raise DeferredInitError(
-                f"Cannot initialize a parameter sharded on dim {placement.dim}; only dim 0 is supported."
-            )
-        count, index = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
-        chunk = math.ceil(size / count)
-        start, size = start + index * chunk, max(0, min(chunk, size - index * chunk))
-    return start, start + size
+    if any(cut != slice(0, size) for cut, size in zip(region[1:], param.shape[1:])):
+        return None
+    return region[0].start, region[0].stop
