@@ -9,7 +9,17 @@ from lightning import LightningModule
 
 from testkit.models import VOCAB
 
-__all__ = ["SPLIT_LLAMA", "TINY_LLAMA", "UNEVEN_LLAMA", "LoraLlama", "PretrainedLlama", "TinyLlama", "save_tiny_llama"]
+__all__ = [
+    "LORA_TARGETS",
+    "SPLIT_LLAMA",
+    "TINY_LLAMA",
+    "UNEVEN_LLAMA",
+    "LoraLlama",
+    "PretrainedLlama",
+    "TinyLlama",
+    "lora_model",
+    "save_tiny_llama",
+]
 
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -74,12 +84,19 @@ class TinyLlama(LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
+# Every projection, as examples/finetune_lora.py adapts them: colwise and rowwise layers of the tensor-parallel plan.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 class PretrainedLlama(LightningModule):
     """A recipe that fine-tunes a pretrained Llama: the model is built in ``configure_model``, from ``weights``
     with ``from_pretrained`` (as under DDP), or from the config alone when the strategy's ``init_weights`` loads
-    them (under ``meta_init`` on the meta device)."""
+    them (under ``meta_init`` on the meta device). With ``lora_rank`` peft wraps :data:`LORA_TARGETS` in LoRA
+    adapters of peft's own init (B zero: the logits before the first step are the base's)."""
 
-    def __init__(self, config: dict[str, Any], weights: str | None = None, lr: float = 1e-2) -> None:
+    def __init__(
+        self, config: dict[str, Any], weights: str | None = None, lr: float = 1e-2, lora_rank: int | None = None
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: Any = None
@@ -93,10 +110,19 @@ class PretrainedLlama(LightningModule):
             self.model = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(self.hparams.config))
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.hparams.weights)
+        if self.hparams.lora_rank is not None:
+            self.model = lora_model(self.model, self.hparams.lora_rank)
 
     forward = TinyLlama.forward
     training_step = TinyLlama.training_step
     configure_optimizers = TinyLlama.configure_optimizers
+
+
+def lora_model(model: Any, rank: int) -> Any:
+    """``model`` with peft's LoRA adapters of ``rank`` on :data:`LORA_TARGETS`, the rest frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS))
 
 
 def save_tiny_llama(folder: str, seed: int = 0) -> str:
