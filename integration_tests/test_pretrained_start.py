@@ -2,17 +2,19 @@
 plain or with peft's LoRA, ``init_weights`` a ``save_pretrained`` directory (one file, or an index of several),
 built eagerly or under ``meta_init``, on a 1-D mesh of 2 ranks and on 2 data x 2 tensor ranks
 (``tensor_parallel_size=2``). Right after setup its logits are those of ``from_pretrained`` in one process (with
-peft's adapters on it), and every adapter not in the weights has peft's init (B zero) as that reference has. One
-launch of ``integration_tests/pretrained_start_worker.py`` per mesh runs all eight cases."""
+peft's adapters on it), and every adapter not in the weights has peft's init (B zero) as that reference has; the
+random ones (A) are split as they are on the 1-D mesh. One launch of ``integration_tests/pretrained_start_worker.py``
+per mesh runs all eight cases."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from integration_tests.conftest import torchrun
+from integration_tests.conftest import max_absolute_difference, torchrun
 from integration_tests.pretrained_start_worker import CASES, LORA_RANK
 
 transformers = pytest.importorskip("transformers")
@@ -53,19 +55,34 @@ def reference(directory: Path, model: str) -> dict:
     return {"logits": logits, "adapters": {n: p.detach() for n, p in built.named_parameters() if "lora_" in n}}
 
 
-@pytest.mark.parametrize(("nproc", "tensor_parallel_size"), [(2, 1), (4, 2)], ids=["1-D-2-ranks", "2x2-4-ranks"])
+# (processes, tensor_parallel_size) of each mesh: 1-D over 2 ranks, 2 data x 2 tensor ranks.
+MESHES = {"1-D": (2, 1), "2x2": (4, 2)}
+
+
+@pytest.fixture(scope="module")
+def launches(weights: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """Rank 0's results of the launch on a mesh of :data:`MESHES`, launched once for the tests that read them."""
+    done: dict[str, dict] = {}
+
+    def launch(mesh: str) -> dict:
+        if mesh not in done:
+            nproc, tensor_parallel_size = MESHES[mesh]
+            workdir = tmp_path_factory.mktemp(mesh)
+            out = workdir / "results.pt"
+            args = ["--file", str(weights["file"]), "--index", str(weights["index"]), "--out", str(out)]
+            args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+            torchrun("integration_tests.pretrained_start_worker", args, nproc=nproc, cwd=workdir)
+            done[mesh] = torch.load(out)
+        return done[mesh]
+
+    return launch
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_every_case_starts_from_the_weights_and_peft_init_as_from_pretrained(
-    weights: dict[str, Path], tmp_path: Path, nproc: int, tensor_parallel_size: int
+    weights: dict[str, Path], launches: Callable[[str], dict], mesh: str
 ) -> None:
-    out = tmp_path / "results.pt"
-    args = ["--file", str(weights["file"]), "--index", str(weights["index"]), "--out", str(out)]
-    torchrun(
-        "integration_tests.pretrained_start_worker",
-        [*args, "--tensor-parallel-size", str(tensor_parallel_size)],
-        nproc=nproc,
-        cwd=tmp_path,
-    )
-    results = torch.load(out)
+    results = launches(mesh)
     assert sorted(results) == sorted(CASES)
     for case, result in results.items():
         _, model, kind = case.split("/")
@@ -82,3 +99,11 @@ def test_every_case_starts_from_the_weights_and_peft_init_as_from_pretrained(
             atol=1e-6,
             msg=lambda message, case=case: f"{case}: {message}",
         )
+
+
+def test_the_random_adapters_are_those_of_the_one_dimensional_run_when_split(launches: Callable[[str], dict]) -> None:
+    # LoRA's A is random. Eagerly every rank draws the same stream; under meta_init each row has a stream of its own,
+    # also in a shard that a rowwise split cuts by columns (o_proj's and down_proj's A): the split changes no value.
+    one_dimensional, split = launches("1-D"), launches("2x2")
+    for case in (case for case in CASES if "/lora/" in case):
+        assert max_absolute_difference(split[case]["adapters"], one_dimensional[case]["adapters"]) == 0.0, case

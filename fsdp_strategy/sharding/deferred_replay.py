@@ -6,13 +6,13 @@ writes made to it, in order. :func:`materialize` replays them after ``fully_shar
 
 - by rows: each rank applies the writes to the rows (dim 0) its shard holds. Only for writes that act
   element by element (``torch.Tag.pointwise``) or overwrite without reading (random fills, ``fill_``,
-  ``zero_``), on whole rows, with no tensor operand but 0-dim ones, into a shard of whole rows (FSDP2's, a
-  colwise tensor-parallel split's). This is what keeps memory at 1/N.
+  ``zero_``), on whole rows, with no tensor operand but 0-dim ones. This is what keeps memory at 1/N. (A shard
+  that a rowwise tensor-parallel split also cuts by columns is replayed on its whole rows, then its columns are
+  copied out: the values of a row do not depend on how the parameter is split.)
 - in full: the whole parameter on a temporary, then the shard copied out. Everything else: ``cumsum_``,
-  ``index_put_``, a column view, a shard that a rowwise tensor-parallel split cuts by columns. A parameter
-  that depends on values each rank computed for itself (a tensor operand, values it was created with, or
-  construction code that read it) is built on every rank and broadcast from rank 0, as DDP starts every
-  rank from rank 0's module.
+  ``index_put_``, a column view. A parameter that depends on values each rank computed for itself (a
+  tensor operand, values it was created with, or construction code that read it) is built on every rank
+  and broadcast from rank 0, as DDP starts every rank from rank 0's module.
 
 Every random write draws from a generator of its own, seeded from rank 0's seed, the write's creation
 order and the first row it writes on the shard: shards differ from each other, replicas (hybrid
@@ -311,11 +311,14 @@ def _plan(records: dict[str, Record], via: torch.device) -> tuple[int, set[str]]
 
 def _fill(param: Tensor, record: Record, *, seed: int, broadcast: bool, via: torch.device) -> None:
     """Writes this rank's part of a recorded parameter into ``param`` (a DTensor shard or a plain tensor)."""
-    local = _local(param)
-    region = local_region(param)
-    rows = _rows_only(param, region)
-    if rows is not None and not broadcast and record.by_rows():
-        record.replay_rows(local, *rows, seed)
+    local, region = _local(param), local_region(param)
+    if isinstance(param, DTensor) and param.dim() and not broadcast and record.by_rows():
+        rows, columns = region[0], region[1:]
+        if all(cut == slice(0, size) for cut, size in zip(columns, param.shape[1:])):
+            record.replay_rows(local, rows.start, rows.stop, seed)
+        else:  # a rowwise tensor-parallel split also cuts columns: this rank's rows whole, then its columns
+            whole_rows = local.new_empty((rows.stop - rows.start, *param.shape[1:]))
+            local.copy_(record.replay_rows(whole_rows, rows.start, rows.stop, seed)[(slice(None), *columns)])
         return
     full = record.build_full(seed)
     if broadcast:
@@ -329,14 +332,3 @@ def _from_rank_zero(tensor: Tensor, via: torch.device) -> Tensor:
         tensor = tensor.to(device=via, memory_format=torch.contiguous_format, copy=True)
         dist.broadcast(tensor, src=0)
     return tensor
-
-
-def _rows_only(param: Tensor, region: tuple[slice, ...]) -> tuple[int, int] | None:
-    """``(start, end)``: the rows (dim 0) of the full parameter that this rank's shard of ``param`` holds, when its
-    placements cut only rows (FSDP2's shards, a colwise tensor-parallel split); ``None`` for a plain tensor, and for a
-    DTensor that is also cut by columns (a rowwise split's dim 1), whose rows each rank then builds whole."""
-    if not isinstance(param, DTensor) or not param.dim():
-        return None
-    if any(cut != slice(0, size) for cut, size in zip(region[1:], param.shape[1:])):
-        return None
-    return region[0].start, region[0].stop
