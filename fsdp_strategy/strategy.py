@@ -348,11 +348,6 @@ class FSDP2Strategy(ParallelStrategy):
         return self.step_hooks.after_evaluation_step("predict_step", output)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        # A manual_backward of a penalty alone (a DTensor) inside training_step, as DDP backpropagates any loss.
-        return super().backward(plain_tensors(closure_loss), optimizer, *args, **kwargs)
-
-    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         self.step_hooks.before_backward(closure_loss, manual=self._in_manual_step)
 

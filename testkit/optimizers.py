@@ -76,7 +76,7 @@ def _torch_optimizer(module: Regression) -> Any:
 
 
 # Regularizers written in training_step from the parameters, as under DDP.
-PENALTIES = ("none", "l2", "distance", "penalty_only")
+PENALTIES = ("none", "l2", "distance", "anchored", "penalty_only")
 
 
 class Regression(L.LightningModule):
@@ -99,6 +99,8 @@ class Regression(L.LightningModule):
     def _penalty(self) -> torch.Tensor:
         if self.hparams.penalty in ("l2", "penalty_only"):
             return 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
+        if self.hparams.penalty == "anchored":  # the mean squared distance, with torch's own loss function
+            return sum(nn.functional.mse_loss(p, p0) for p, p0 in zip(self.parameters(), self.start))
         # L2-SP: the distance to the weights training started from.
         return 1e-1 * sum((p - p0).pow(2).sum() for p, p0 in zip(self.parameters(), self.start))
 
@@ -109,6 +111,8 @@ class Regression(L.LightningModule):
             penalty = self._penalty()
             self.log("penalty", penalty)
             self.log("penalty_value", penalty.item())  # a number read in training_step, as DDP's rank 0 reads it
+            low, high = torch.aminmax(self.net[0].weight)
+            self.log("weight_range", high - low)
             loss = penalty if self.hparams.penalty == "penalty_only" else loss + penalty
         self.log("train_loss", loss)
         if self.automatic_optimization:
@@ -124,6 +128,7 @@ class Regression(L.LightningModule):
         with torch.no_grad():  # a max-norm constraint on each output unit, after the step
             for layer in (m for m in self.net if isinstance(m, nn.Linear)):
                 layer.weight.copy_(torch.renorm(layer.weight, 2, 0, 1.0))
+            self.net[0].weight[0] = 0.0  # a pruned unit, by assignment
         return None
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

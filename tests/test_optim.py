@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_strategy import FSDP2Strategy
 from fsdp_strategy.optim import OptimizerKind, ShardedOptimizers, classify
@@ -203,13 +203,13 @@ def test_a_penalty_on_sharded_weights_gets_the_gradient_of_the_whole_weights(mes
         assert torch.allclose(mine.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_a_reduction_of_shards_is_the_whole_value_as_a_plain_tensor(mesh):
+def test_a_reduction_of_shards_is_the_whole_value_on_every_rank(mesh):
     # DTensor's own result is each rank's part (Partial): its item() would be this rank's part alone.
     plain, sharded = _sharded_pair(mesh)
     with WholeReads():
         square_sum = sharded[0].weight.pow(2).sum()
         mean, std = torch.std_mean(sharded[2].weight)
-    assert type(square_sum) is torch.Tensor  # a reduction DTensor replicates itself stays one: its value is whole
+    assert square_sum.placements == (Replicate(),)  # whole on every rank; a shard divided by it stays a shard
     assert square_sum.item() == pytest.approx(plain[0].weight.pow(2).sum().item(), rel=1e-6)
     assert (mean.item(), std.item()) == pytest.approx(tuple(t.item() for t in torch.std_mean(plain[2].weight)))
 
@@ -225,9 +225,39 @@ def test_gradients_clipped_in_training_step_are_clipped_as_the_whole_gradients(m
         with reads or torch.enable_grad():
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1))
             torch._foreach_add_([p.grad for p in model.parameters()], [torch.ones(p.shape) for p in plain.parameters()])
-    assert type(norms[1]) is torch.Tensor and norms[1].item() == pytest.approx(norms[0].item(), rel=1e-6)
+    assert norms[1].placements == (Replicate(),) and norms[1].item() == pytest.approx(norms[0].item(), rel=1e-6)
     for mine, theirs in zip(sharded.parameters(), plain.parameters()):
         assert torch.allclose(mine.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_reductions_that_dtensor_averages_or_returns_several_of_are_whole(mesh):
+    plain, sharded = _sharded_pair(mesh)
+    values, grads = [], []
+    for model, reads in ((plain, None), (sharded, WholeReads())):
+        weight = model[0].weight
+        with reads or torch.enable_grad():
+            # DTensor averages the ranks' means for a loss whose target is a shard too.
+            anchored = nn.functional.mse_loss(weight, torch.zeros_like(weight))
+            low, high = torch.aminmax(model[2].weight)
+            norms = torch._foreach_norm([p for p in model.parameters()])
+        assert not any(isinstance(v, DTensor) and v.placements[0].is_partial() for v in (anchored, low, high, *norms))
+        anchored.backward()
+        values.append([float(v) for v in (anchored, low, high, *norms)])
+        grads.append(weight.grad.full_tensor() if isinstance(weight.grad, DTensor) else weight.grad)
+    assert values[1] == pytest.approx(values[0], rel=1e-6)
+    assert torch.allclose(grads[1], grads[0], rtol=1e-6, atol=1e-8)
+
+
+def test_an_item_assigned_into_a_shard_is_written(mesh):
+    plain, sharded = _sharded_pair(mesh)
+    with torch.no_grad():
+        plain[0].weight[0] = 0.0
+        plain[2].bias[1:] = torch.tensor([2.0, 3.0])
+        with WholeReads():
+            sharded[0].weight[0] = 0.0
+            sharded[2].bias[1:] = torch.tensor([2.0, 3.0])
+    for mine, theirs in zip(sharded.parameters(), plain.parameters()):
+        assert torch.equal(mine.full_tensor(), theirs)
 
 
 def test_an_op_without_a_sharding_rule_runs_on_the_whole_parameter_and_writes_the_shards(mesh):

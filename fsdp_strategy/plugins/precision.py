@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from fsdp_strategy.plugins.clipping import clip_grad_norm
+from fsdp_strategy.step.whole_reads import plain_tensors
 
 __all__ = [
     "FSDP2_PLUGINS",
@@ -83,6 +84,11 @@ class _WholeParametersInHooks:
     """
 
     hook_view: ParameterView | None = None
+
+    def pre_backward(self, tensor: Any, module: Any) -> Any:
+        # A manual_backward of a penalty alone, a DTensor computed from the shards in training_step, backpropagates
+        # as DDP's plain loss (here, not in the strategy's `backward`: Lightning's tests wrap `Strategy.backward`).
+        return super().pre_backward(plain_tensors(tensor), module)  # type: ignore[misc]
 
     def post_backward(self, tensor: Any, module: Any) -> Any:
         if self.hook_view is None or not self.hook_view.reads("on_after_backward"):

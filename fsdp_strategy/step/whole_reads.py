@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["WholeReads", "explain", "plain_tensors"]
@@ -64,6 +64,8 @@ class WholeReads(TorchFunctionMode):
         if not dtensors:
             return func(*args, **kwargs)
         written = _written(func, args, kwargs)
+        if getattr(func, "__name__", "") == "__setitem__":  # DTensor writes `p[0] = 0` into a copy, dropped
+            return _on_whole(func, args, kwargs, written)
         # A plain scalar without gradient changing a shard in place (`p.mul_(torch.tensor(0.9))`) is a number to
         # DTensor too: the shards change as the whole parameter would.
         # So is the coefficient clip_grad_norm_ multiplies the gradients by (`torch._foreach_mul_(grads, coef)`).
@@ -71,18 +73,40 @@ class WholeReads(TorchFunctionMode):
         if plains and not (scalars and written):
             return _on_whole(func, args, kwargs, written)
         try:
-            return _settled(func(*args, **kwargs))
+            result = func(*args, **kwargs)
         except NotImplementedError as error:
             if "sharding strategy" not in str(error):
                 raise
             return _on_whole(func, args, kwargs, written, relayout=True)
+        if any(_averaged(r) for r in _results(result)):
+            # DTensor averages the ranks' means of uneven shards (`F.mse_loss(p, target)`), and its gradient is
+            # world-size times too large: computed on the whole tensors instead.
+            return _on_whole(func, args, kwargs, written)
+        return _settled(result)
+
+
+def _results(result: Any) -> list[Any]:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _pending(value: Any) -> bool:
+    return isinstance(value, DTensor) and any(placement.is_partial() for placement in value.placements)
+
+
+def _averaged(value: Any) -> bool:
+    return _pending(value) and any(getattr(placement, "reduce_op", None) == "avg" for placement in value.placements)
 
 
 def _settled(result: Any) -> Any:
-    """A reduction over shards (``p.pow(2).sum()``) made whole at once: DTensor leaves it a pending sum of each
-    rank's part (``Partial``), whose ``item()``, or the value ``self.log`` keeps, is this rank's part alone."""
-    if isinstance(result, DTensor) and any(placement.is_partial() for placement in result.placements):
-        return result.full_tensor()
+    """A reduction over shards (``p.pow(2).sum()``, ``torch.aminmax``, ``torch._foreach_norm``) replicated at once,
+    one all-reduce each: DTensor leaves it each rank's part of a reduction still to be taken (``Partial``), whose
+    ``item()``, or the value ``self.log`` keeps, is this rank's part alone. Replicated, not plain: dividing a shard by
+    it (``p / p.norm()``) stays a DTensor op on the shard."""
+    if _pending(result):
+        return result.redistribute(placements=[Replicate()] * result.device_mesh.ndim)
+    if isinstance(result, (list, tuple)) and any(_pending(r) for r in result):
+        settled = [_settled(r) for r in result]
+        return settled if isinstance(result, list) else type(result)(settled)  # a tuple, or torch.return_types
     return result
 
 
@@ -132,18 +156,16 @@ def _on_whole(
     return result
 
 
+_IN_PLACE_DUNDERS = ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__setitem__")
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DTensor]:
     """The DTensors ``func`` writes into: the ``out=`` argument, ``self`` of an in-place method (``p.clamp_``), or
     the DTensors of an in-place foreach op's first list (``torch._foreach_mul_(grads, coef)``)."""
     if isinstance(kwargs.get("out"), DTensor):
         return [kwargs["out"]]
     name = getattr(func, "__name__", "")
-    in_place = (name.endswith("_") and not name.endswith("__")) or name in (
-        "__iadd__",
-        "__isub__",
-        "__imul__",
-        "__itruediv__",
-    )
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
     if not in_place or not args:
         return []
     if isinstance(args[0], DTensor):
