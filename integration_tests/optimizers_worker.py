@@ -52,9 +52,9 @@ def fit(strategy: str, scenario: str) -> dict[str, Any]:
     """``optimizer`` is a name of testkit.optimizers.OPTIMIZERS or ``torch.optim.<Class>``; an error (a refusal)
     is the result, as ``Type: message``."""
     optimizer, *flags = scenario.split("+")
-    penalty = next((f for f in flags if f not in ("manual", "accumulate", "hybrid")), "none")
+    penalty = next((f for f in flags if f not in ("manual", "accumulate", "hybrid", "index_write")), "none")
     L.seed_everything(42)
-    model = Regression(optimizer, penalty=penalty, manual="manual" in flags)
+    model = Regression(optimizer, penalty=penalty, manual="manual" in flags, index_write="index_write" in flags)
     accumulate = 2 if "accumulate" in flags else 1
     chosen = _strategy(strategy, replicate_size=2 if "hybrid" in flags else None)
     validation = regression_loader(samples=16) if penalty != "none" else None

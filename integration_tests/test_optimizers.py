@@ -55,6 +55,16 @@ REFUSED = {
 }
 
 
+# An in-place op on `p[1]` after a manual step: under DDP a view of the parameter, under FSDP2 a copy of its rows.
+INDEX_WRITE = "adafactor+manual+index_write"
+INDEX_WRITE_REFUSAL = (
+    "RuntimeError: `mul_` writes into an index of a sharded parameter (`p[0].zero_()`): under FSDP2 that is a copy of"
+    " rows that this rank may not hold, where under DDP it is a view of the parameter, so the write would be lost."
+    " Assign instead (`p[0] = 0.0`, `p[0] = p[0] * 0.5`: written into the shards), or change the whole parameter"
+    " (`p.mul_(mask)`)."
+)
+
+
 def _runs(scenarios: list[str]) -> list[str]:
     return [f"{strategy}/{scenario}" for scenario in scenarios for strategy in ("fsdp2", "ddp")]
 
@@ -74,7 +84,7 @@ def _launch(workdir: Path, nproc: int, runs: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(workdir: Path) -> dict:
-    runs = _runs(PARITY[2] + [f"torch.optim.{name}" for name in TORCH_OPTIMIZERS])
+    runs = _runs(PARITY[2] + [f"torch.optim.{name}" for name in TORCH_OPTIMIZERS] + [INDEX_WRITE])
     runs += [f"fsdp2/save:{optimizer}:{kind}" for optimizer, kind in SAVED]
     runs += [f"ddp/save:{optimizer}:full" for optimizer in sorted({o for o, _ in SAVED})]
     return _launch(workdir, 2, runs)
@@ -142,3 +152,9 @@ def test_a_full_checkpoint_holds_the_optimizer_state_ddp_holds(workdir: Path, tw
                 assert torch.allclose(mine.float(), value.float(), rtol=1e-5, atol=1e-7), (index, key)
             else:
                 assert mine == pytest.approx(value, rel=1e-5), (index, key)
+
+
+def test_a_write_into_an_index_of_a_shard_is_refused_at_its_first_call_naming_the_fix(two_ranks: dict) -> None:
+    assert "error" not in two_ranks[f"ddp/{INDEX_WRITE}"]
+    # at its first call, right after the first manual step
+    assert two_ranks[f"fsdp2/{INDEX_WRITE}"] == {"error": INDEX_WRITE_REFUSAL, "global_step": 1}

@@ -82,7 +82,9 @@ PENALTIES = ("none", "l2", "distance", "anchored", "penalty_only")
 class Regression(L.LightningModule):
     """A bias-free MLP for Muon (which takes matrices only), with biases and a norm for the others."""
 
-    def __init__(self, optimizer: str = "muon", penalty: str = "none", manual: bool = False) -> None:
+    def __init__(
+        self, optimizer: str = "muon", penalty: str = "none", manual: bool = False, index_write: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         bias = optimizer in OPTIMIZERS and optimizer != "muon"  # Muon, and the walk over torch.optim, without
@@ -129,6 +131,8 @@ class Regression(L.LightningModule):
             for layer in (m for m in self.net if isinstance(m, nn.Linear)):
                 layer.weight.copy_(torch.renorm(layer.weight, 2, 0, 1.0))
             self.net[0].weight[0] = 0.0  # a pruned unit, by assignment
+            if self.hparams.index_write:  # a view under DDP; a copy of rows under FSDP2
+                self.net[0].weight[1].mul_(0.5)
         return None
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

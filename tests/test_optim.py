@@ -4,6 +4,7 @@ code in ``training_step`` that reads whole parameters (``step/whole_reads.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 
@@ -258,6 +259,26 @@ def test_an_item_assigned_into_a_shard_is_written(mesh):
             sharded[2].bias[1:] = torch.tensor([2.0, 3.0])
     for mine, theirs in zip(sharded.parameters(), plain.parameters()):
         assert torch.equal(mine.full_tensor(), theirs)
+
+
+def test_a_whole_value_assigned_to_data_or_grad_is_laid_out_as_the_shards(mesh):
+    plain, sharded = _sharded_pair(mesh)
+    with torch.no_grad():
+        for model, reads in ((plain, None), (sharded, WholeReads())):
+            with reads or contextlib.nullcontext():
+                model[0].weight.data = torch.ones(7, 5)
+                model[0].bias.data = model[0].bias.data * 0.5
+                model[2].weight.grad = torch.full((3, 7), 2.0)
+    for mine, theirs in zip(sharded.parameters(), plain.parameters()):
+        assert isinstance(mine, DTensor) and torch.equal(mine.full_tensor(), theirs)
+    assert torch.equal(sharded[2].weight.grad.full_tensor(), plain[2].weight.grad)
+    with WholeReads(), pytest.raises(RuntimeError) as raised:
+        sharded[0].weight.data = torch.ones(3, 3)
+    assert str(raised.value) == (
+        "`p.data = value` of a sharded parameter of shape (7, 5) and torch.float32 got a value of shape (3, 3) and"
+        " torch.float32: under FSDP2 only a value of the parameter's own shape and dtype can be laid out as its"
+        " shards. Build the model with that shape (in `configure_model`)."
+    )
 
 
 def test_an_op_without_a_sharding_rule_runs_on_the_whole_parameter_and_writes_the_shards(mesh):

@@ -17,6 +17,7 @@ rank's part otherwise. Every other op, all of forward included, runs as it would
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,6 +38,8 @@ class WholeReads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self._paused = False
+        # `p[0]` of a shard is a copy where DDP's is a view of the parameter: a write into it would be lost.
+        self._copies: dict[int, weakref.ref[Tensor]] = {}  # by id: a tensor's `==` is elementwise
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -56,15 +59,24 @@ class WholeReads(TorchFunctionMode):
         finally:
             self._paused = paused
 
+    def _is_copy(self, tensor: Tensor) -> bool:
+        copy = self._copies.get(id(tensor))
+        return copy is not None and copy() is tensor
+
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if self._copies and any(self._is_copy(t) for t in _targets(func, args, kwargs)):
+            raise RuntimeError(_LOST_WRITE.format(op=name))
         dtensors, plains = _split(args, kwargs)
         if not dtensors:
             return func(*args, **kwargs)
+        if name == "__set__" and isinstance(args[0], DTensor):  # `p.data = value`, `p.grad = value`
+            return _assigned(func, args[0], args[1])
         written = _written(func, args, kwargs)
-        if getattr(func, "__name__", "") == "__setitem__":  # DTensor writes `p[0] = 0` into a copy, dropped
+        if name == "__setitem__":  # DTensor writes `p[0] = 0` into a copy, dropped
             return _on_whole(func, args, kwargs, written)
         # A plain scalar without gradient changing a shard in place (`p.mul_(torch.tensor(0.9))`) is a number to
         # DTensor too: the shards change as the whole parameter would.
@@ -82,7 +94,52 @@ class WholeReads(TorchFunctionMode):
             # DTensor averages the ranks' means of uneven shards (`F.mse_loss(p, target)`), and its gradient is
             # world-size times too large: computed on the whole tensors instead.
             return _on_whole(func, args, kwargs, written)
+        if name == "__getitem__" and _basic_index(args[1]) and not _shares_memory(result, args[0]):
+            key = id(result)
+            self._copies[key] = weakref.ref(result, lambda _: self._copies.pop(key, None))
         return _settled(result)
+
+
+_LOST_WRITE = (
+    "`{op}` writes into an index of a sharded parameter (`p[0].zero_()`): under FSDP2 that is a copy of rows that"
+    " this rank may not hold, where under DDP it is a view of the parameter, so the write would be lost. Assign"
+    " instead (`p[0] = 0.0`, `p[0] = p[0] * 0.5`: written into the shards), or change the whole parameter"
+    " (`p.mul_(mask)`)."
+)
+
+
+def _basic_index(index: Any) -> bool:
+    """An index that makes a view of a plain tensor (ints, slices, ``None``, ``...``), not a copy."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice)) for item in items)
+
+
+def _shares_memory(result: Any, source: DTensor) -> bool:
+    if not isinstance(result, Tensor):
+        return True
+    local = result.to_local() if isinstance(result, DTensor) else result
+    return local.untyped_storage().data_ptr() == source.to_local().untyped_storage().data_ptr()
+
+
+def _assigned(setter: Any, target: DTensor, value: Any) -> None:
+    """``p.data = value`` or ``p.grad = value`` of a sharded parameter: a whole value is laid out as the
+    parameter's shards, as DDP's parameter takes all of it."""
+    attribute = getattr(getattr(setter, "__self__", None), "__name__", "")
+    if value is None or attribute not in ("data", "grad"):
+        return setter(target, value)
+    if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
+        raise RuntimeError(
+            f"`p.{attribute} = value` of a sharded parameter of shape {tuple(target.shape)} and {target.dtype} got a"
+            f" value of shape {tuple(value.shape)} and {value.dtype}: under FSDP2 only a value of the parameter's own"
+            " shape and dtype can be laid out as its shards. Build the model with that shape (in `configure_model`)."
+        )
+    if not isinstance(value, DTensor):
+        value = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
+    if attribute == "grad":
+        return setter(target, value)
+    with torch.no_grad():
+        target.to_local().copy_(value.redistribute(target.device_mesh, target.placements).to_local())
+    return None
 
 
 def _results(result: Any) -> list[Any]:
@@ -162,16 +219,20 @@ _IN_PLACE_DUNDERS = ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DTensor]:
     """The DTensors ``func`` writes into: the ``out=`` argument, ``self`` of an in-place method (``p.clamp_``), or
     the DTensors of an in-place foreach op's first list (``torch._foreach_mul_(grads, coef)``)."""
-    if isinstance(kwargs.get("out"), DTensor):
+    return [t for t in _targets(func, args, kwargs) if isinstance(t, DTensor)]
+
+
+def _targets(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    if isinstance(kwargs.get("out"), Tensor):
         return [kwargs["out"]]
     name = getattr(func, "__name__", "")
     in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
     if not in_place or not args:
         return []
-    if isinstance(args[0], DTensor):
+    if isinstance(args[0], Tensor):
         return [args[0]]
     if isinstance(args[0], (list, tuple)):
-        return [t for t in args[0] if isinstance(t, DTensor)]
+        return [t for t in args[0] if isinstance(t, Tensor)]
     return []
 
 
