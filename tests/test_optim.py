@@ -269,6 +269,7 @@ def test_a_whole_value_assigned_to_data_or_grad_is_laid_out_as_the_shards(mesh):
                 model[0].weight.data = torch.ones(7, 5)
                 model[0].bias.data = model[0].bias.data * 0.5
                 model[2].weight.grad = torch.full((3, 7), 2.0)
+                torch.nn.utils.vector_to_parameters(torch.arange(38.0), model[2].parameters())  # assigns p.data
     for mine, theirs in zip(sharded.parameters(), plain.parameters()):
         assert isinstance(mine, DTensor) and torch.equal(mine.full_tensor(), theirs)
     assert torch.equal(sharded[2].weight.grad.full_tensor(), plain[2].weight.grad)
