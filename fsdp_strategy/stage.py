@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins import LayerSync
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
@@ -58,6 +58,7 @@ from fsdp_strategy.sharding.tensor_parallel import (
     apply_tensor_parallel_plan,
     is_parallelized,
     refuse_misgathered_strided_shards,
+    replicated_module_warning,
 )
 from fsdp_strategy.sharding.unshard import (
     ShardingSnapshot,
@@ -242,8 +243,14 @@ class ModuleSharding:
         # Parameter, without the record the old one carried (a split LoRA B got its Linear's init, not peft's zeros).
         deferred = records_by_name(model)
         if tensor_parallel and not is_parallelized(model):
-            split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
-            rank_zero_info(f"{self.name}: split {', '.join(split) or 'the module'} by its `base_model_tp_plan`")
+            replicated = replicated_module_warning(model, arguments.tensor_mesh.size(), mesh.size())
+            if replicated is not None:
+                # Nothing splits it: replicated over `tensor_parallel` (its ranks read the same batches), sharded by
+                # fully_shard over the data-parallel mesh only, as under ModelParallelStrategy.
+                rank_zero_warn(f"{self.name}: {replicated}")
+            else:
+                split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
+                rank_zero_info(f"{self.name}: split {', '.join(split)} by its `base_model_tp_plan`")
         self.parallelized = is_parallelized(model)
         if options.frozen_dtype is not None:
             self.store_frozen(model, shards=mesh.size(-1), tensor_parallel=tensor_parallel)

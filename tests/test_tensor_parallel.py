@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils.data import DataLoader
 
 from fsdp_strategy import FSDP2Strategy
@@ -30,6 +31,7 @@ from fsdp_strategy.sharding.tensor_parallel import (
     check_even_split,
     hugging_face_plans,
     plan_layers,
+    replicated_module_warning,
 )
 from testkit import full
 from testkit.models import token_dataset
@@ -180,16 +182,39 @@ def test_clipping_by_norm_spans_gradients_on_several_meshes(single_rank_group):
     assert total_grad_norm(params) == pytest.approx(0.5, rel=1e-5)
 
 
-def test_a_module_without_a_plan_is_told_what_to_write(tensor_mesh):
-    message = (
-        "`tensor_parallel_size=1` needs a tensor-parallel plan, and Sequential has none: it holds no Hugging Face"
-        " model with a `config.base_model_tp_plan`. Split its layers in the LightningModule's `configure_model()`,"
-        ' as for Lightning\'s ModelParallelStrategy: `parallelize_module(layer, self.device_mesh["tensor_parallel"],'
-        ' {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or set'
-        ' `tensor_parallel_size=1` (`strategy="fsdp2"` in place of `"fsdp2_tp"`).'
-    )
-    with pytest.raises(ValueError, match=re.escape(message)):
-        apply_tensor_parallel_plan(nn.Sequential(nn.Linear(2, 2)), tensor_mesh)
+REPLICATED = (
+    "`tensor_parallel_size=4` with no tensor-parallel plan: Sequential holds no DTensor from `configure_model()` and no"
+    " Hugging Face model with a `config.base_model_tp_plan`, so it is replicated over the 4 tensor-parallel ranks"
+    " (each computes the same batches) and <sharded>. To shard it over all ranks, set `tensor_parallel_size=1`"
+    ' (`strategy="fsdp2"` in place of `"fsdp2_tp"`); to split it, split its layers in the LightningModule\'s'
+    " `configure_model()`, as for Lightning's ModelParallelStrategy: `parallelize_module(layer,"
+    ' self.device_mesh["tensor_parallel"], {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})`'
+    " (torch.distributed.tensor.parallel)."
+)
+
+
+@pytest.mark.parametrize(
+    ("data_parallel", "sharded"),
+    [(1, "not sharded (the data-parallel dimension has 1 rank)"), (2, "sharded over the 2 data-parallel ranks only")],
+)
+def test_a_module_that_nothing_splits_is_replicated_with_a_warning_naming_the_fixes(
+    tensor_mesh, data_parallel, sharded
+):
+    module = nn.Sequential(nn.Linear(2, 2))
+    assert replicated_module_warning(module, 4, data_parallel) == REPLICATED.replace("<sharded>", sharded)
+    assert replicated_module_warning(module, 1, data_parallel) is None  # no tensor-parallel ranks to replicate over
+    assert apply_tensor_parallel_plan(module, tensor_mesh) == []  # nothing to split, nothing split
+    assert not any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def test_a_module_split_in_configure_model_or_by_a_plan_is_not_warned_about(tensor_mesh):
+    split = nn.Sequential(nn.Linear(2, 2))
+    parallelize_module(split, tensor_mesh, {"0": ColwiseParallel()})
+    assert replicated_module_warning(split, 4, 1) is None
+    pytest.importorskip("transformers")
+    from testkit.hf import TinyLlama
+
+    assert replicated_module_warning(TinyLlama(), 4, 1) is None  # its base_model_tp_plan splits it
 
 
 def test_a_hugging_face_plan_is_applied_through_parallelize_module(tensor_mesh):

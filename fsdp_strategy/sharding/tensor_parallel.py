@@ -1,5 +1,6 @@
 """Tensor parallelism applied for the user: a Hugging Face model's own ``base_model_tp_plan`` through torch's
-``parallelize_module``, or an error that names what to write.
+``parallelize_module``; a module that nothing splits is replicated over the tensor-parallel ranks, with a warning
+that names what to write.
 
 A module written for Lightning's ``ModelParallelStrategy`` splits its layers itself in ``configure_model``
 (``parallelize_module`` on ``self.device_mesh["tensor_parallel"]``) and comes to the strategy with DTensors; one
@@ -44,6 +45,7 @@ __all__ = [
     "is_parallelized",
     "plan_layers",
     "refuse_misgathered_strided_shards",
+    "replicated_module_warning",
     "weight_split_dim",
 ]
 
@@ -78,22 +80,38 @@ def hugging_face_plans(model: nn.Module) -> list[tuple[str, nn.Module, dict[str,
     return found
 
 
+def replicated_module_warning(model: nn.Module, size: int, data_parallel_size: int) -> str | None:
+    """The warning for ``model`` under ``size`` tensor-parallel ranks when nothing splits it: its ``configure_model``
+    left no DTensor and it holds no Hugging Face model with a ``base_model_tp_plan``. It is then replicated over the
+    tensor-parallel ranks (they read the same batches, so their gradients are the same) and sharded over the
+    ``data_parallel_size`` data-parallel ranks only, as under Lightning's ``ModelParallelStrategy``. ``None`` where
+    something splits it, or ``size`` is 1."""
+    if size <= 1 or is_parallelized(model) or hugging_face_plans(model):
+        return None
+    sharded = (
+        f"sharded over the {data_parallel_size} data-parallel ranks only"
+        if data_parallel_size > 1
+        else "not sharded (the data-parallel dimension has 1 rank)"
+    )
+    return (
+        f"`tensor_parallel_size={size}` with no tensor-parallel plan: {type(model).__name__} holds no DTensor from"
+        " `configure_model()` and no Hugging Face model with a `config.base_model_tp_plan`, so it is replicated over"
+        f" the {size} tensor-parallel ranks (each computes the same batches) and {sharded}. To shard it over all"
+        f" ranks, set {_NO_TENSOR_PARALLELISM}; to split it, split its layers in the LightningModule's"
+        " `configure_model()`, as for Lightning's ModelParallelStrategy:"
+        ' `parallelize_module(layer, self.device_mesh["tensor_parallel"], {"proj_in": ColwiseParallel(),'
+        ' "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel).'
+    )
+
+
 def apply_tensor_parallel_plan(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     """Splits each Hugging Face model inside ``model`` over ``mesh`` by its ``base_model_tp_plan``; returns the
-    names of the models split. Raises ``ValueError`` before anything is split when ``model`` has no such plan, a plan
-    holds a style string that :data:`PLAN_STYLES` does not, names no module, splits a peft layer other than plain
-    LoRA, or cannot be split evenly over ``mesh`` (:func:`check_even_split`)."""
+    names of the models split, none when ``model`` holds no such plan (it is left whole:
+    :func:`replicated_module_warning`). Raises ``ValueError`` before anything is split when a plan holds a style
+    string that :data:`PLAN_STYLES` does not, names no module, splits a peft layer other than plain LoRA, or cannot
+    be split evenly over ``mesh`` (:func:`check_even_split`)."""
     size = mesh.size()
     plans = hugging_face_plans(model)
-    if not plans:
-        raise ValueError(
-            f"`tensor_parallel_size={size}` needs a tensor-parallel plan, and {type(model).__name__} has none:"
-            " it holds no Hugging Face model with a `config.base_model_tp_plan`. Split its layers in the"
-            " LightningModule's `configure_model()`, as for Lightning's ModelParallelStrategy:"
-            ' `parallelize_module(layer, self.device_mesh["tensor_parallel"], {"proj_in": ColwiseParallel(),'
-            ' "proj_out": RowwiseParallel()})` (torch.distributed.tensor.parallel), or'
-            f" set {_NO_TENSOR_PARALLELISM}."
-        )
     split = []
     for name, base_model, plan in plans:
         source = f"The `base_model_tp_plan` of {type(base_model).__name__} ({name or 'the module'})"
