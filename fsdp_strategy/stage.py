@@ -250,7 +250,7 @@ class ModuleSharding:
                 rank_zero_warn(f"{self.name}: {replicated}")
             else:
                 split = apply_tensor_parallel_plan(model, arguments.tensor_mesh)
-                rank_zero_info(f"{self.name}: split {', '.join(split)} by its `base_model_tp_plan`")
+                rank_zero_info(f"{self.name}: split {', '.join(split) or 'the module'} by its `base_model_tp_plan`")
         self.parallelized = is_parallelized(model)
         if options.frozen_dtype is not None:
             self.store_frozen(model, shards=mesh.size(-1), tensor_parallel=tensor_parallel)
