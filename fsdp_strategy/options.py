@@ -273,6 +273,8 @@ class Options:
         " `data_parallel`; the module's `configure_model` applies `parallelize_module` on"
         ' `self.device_mesh["tensor_parallel"]`, or a Hugging Face model inside it is split by its own'
         " `base_model_tp_plan`; the module then stays sharded after the stage, as under `ModelParallelStrategy`."
+        " A module that nothing splits is replicated over `tensor_parallel` and sharded over `data_parallel`, with"
+        " a warning."
         ' `"auto"` (strategy `"fsdp2_tp"`): the devices of a node, as `ModelParallelStrategy`\'s default, and the'
         " mesh has both dimensions even where that is 1",
     )
