@@ -6,7 +6,8 @@ Each run is ``strategy/module`` (``--runs``), on 4 ranks:
 
 * strategy: ``fsdp2_tp4`` (``tensor_parallel_size=4``: (dp, tp) = (1, 4)), ``fsdp2_tp2`` (``tensor_parallel_size=2``:
   (2, 2)), ``fsdp2_auto`` (``tensor_parallel_size="auto"``: one node of 4 ranks, (1, 4)), ``model_parallel_tp4``
-  and ``model_parallel_tp2`` (``ModelParallelStrategy`` on the same meshes);
+  and ``model_parallel_tp2`` (``ModelParallelStrategy`` on the same meshes); a ``_sharded`` suffix saves a sharded
+  checkpoint (``state_dict_type="sharded"``: Distributed Checkpoint, each tensor-parallel rank holding a replica);
 * module: ``reads`` (``configure_model`` reads ``self.device_mesh`` for its sizes and names only; under
   ``ModelParallelStrategy`` it also shards the blocks and the model over ``data_parallel``) or ``plain`` (no
   ``configure_model``).
@@ -76,10 +77,13 @@ class RecordShards(L.Callback):
 
 
 def strategy_and_tensor_parallel_size(name: str, world_size: int) -> tuple[object, int]:
+    name, sharded = name.removesuffix("_sharded"), name.endswith("_sharded")
     tensor = 2 if name.endswith("tp2") else world_size
     if name.startswith("model_parallel"):
         return ModelParallelStrategy(data_parallel_size=world_size // tensor, tensor_parallel_size=tensor), tensor
-    return fsdp_strategy.FSDP2Strategy(tensor_parallel_size="auto" if name == "fsdp2_auto" else tensor), tensor
+    size = "auto" if name == "fsdp2_auto" else tensor
+    state_dict_type = "sharded" if sharded else "auto"
+    return fsdp_strategy.FSDP2Strategy(tensor_parallel_size=size, state_dict_type=state_dict_type), tensor
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ tensor-parallel ranks and sharded over the data-parallel ones, as under Lightnin
 and loss on the meshes (dp, tp) = (1, 4) and (2, 2), and under ``tensor_parallel_size="auto"`` (one node of 4 ranks:
 (1, 4)), whether its ``configure_model`` reads the mesh or it has none. Rank 0 warns once, naming the fixes; the ranks
 of a tensor-parallel group hold the same shards; ``fully_shard`` reduces over the data-parallel mesh only; the
-checkpoint holds the trained parameters.
+checkpoint, a single file or a sharded one (consolidated), holds the trained parameters.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ OURS = {  # run -> (its ModelParallelStrategy reference, data-parallel ranks)
     "fsdp2_tp2/reads": ("model_parallel_tp2/reads", 2),
     "fsdp2_auto/reads": ("model_parallel_tp4/reads", 1),
     "fsdp2_tp2/plain": ("model_parallel_tp2/reads", 2),
+    "fsdp2_tp2_sharded/reads": ("model_parallel_tp2/reads", 2),  # a Distributed Checkpoint, consolidated
 }
 REFERENCES = ["model_parallel_tp4/reads", "model_parallel_tp2/reads"]
 
