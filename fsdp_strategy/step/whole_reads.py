@@ -11,7 +11,7 @@ all-gather for a parameter; differentiable, so the penalty's gradient reaches ea
 parameter), the op runs on plain tensors, and where it wrote into a DTensor (in place, ``out=``) this rank's rows are
 written back; the result of an op without a rule is laid out as its first DTensor argument again. A reduction of
 DTensors alone (``p.pow(2).sum()``), which DTensor leaves as each rank's part of a sum still to be taken
-(``Partial``), is made whole at once, one all-reduce: its ``item()`` and the value ``self.log`` keeps would be this
+(``Partial``), is replicated at once, one all-reduce: its ``item()`` and the value ``self.log`` keeps would be this
 rank's part otherwise. Every other op, all of forward included, runs as it would without the mode.
 """
 
@@ -133,12 +133,16 @@ def _assigned(setter: Any, target: DTensor, value: Any) -> None:
             f" value of shape {tuple(value.shape)} and {value.dtype}: under FSDP2 only a value of the parameter's own"
             " shape and dtype can be laid out as its shards. Build the model with that shape (in `configure_model`)."
         )
-    if not isinstance(value, DTensor):
-        value = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
     if attribute == "grad":
+        if not isinstance(value, DTensor):
+            value = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
         return setter(target, value)
+    if isinstance(value, DTensor):
+        rows = value.redistribute(target.device_mesh, target.placements).to_local()
+    else:
+        rows = _rows(value, target)
     with torch.no_grad():
-        target.to_local().copy_(value.redistribute(target.device_mesh, target.placements).to_local())
+        target.to_local().copy_(rows)
     return None
 
 
